@@ -1,0 +1,116 @@
+"""Byte budgets and tier capacities (Eq. 3, 7 and 8 of the paper).
+
+Every persistent tensor a layer keeps is charged here with the same constructors the layer uses, so the plan and
+the measured ``memory_report()`` cannot drift apart: full-precision K/V, packed codes, scales and zero-points,
+window ids, dormant-ledger flags, the score table and the buffered queries of the scorer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import QEvictConfig
+from .ledger import WindowLedger
+
+ID_BYTES = torch.empty(0, dtype=torch.int32).element_size()
+SCORE_BYTES = torch.empty(0, dtype=torch.float32).element_size()
+FLAG_BYTES = torch.empty(0, dtype=torch.bool).element_size()
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What the KV cache of one model at one batch size looks like."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    batch: int = 1
+
+    @classmethod
+    def from_model(cls, model, batch: int = 1) -> KVShape:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            num_q_heads=cfg.num_attention_heads,
+            head_dim=head_dim,
+            dtype=model.dtype,
+            batch=batch,
+        )
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def token_bytes(self) -> int:
+        """Full-precision K and V of one token in one layer."""
+        return 2 * self.batch * self.num_kv_heads * self.head_dim * self.element_size
+
+    def fullkv_bytes(self, tokens: int) -> int:
+        """Eq. 7: the uncompressed cache of ``tokens`` tokens over all layers."""
+        return self.num_layers * self.token_bytes() * tokens
+
+
+def quant_window_bytes(shape: KVShape, omega: int, bits: int) -> int:
+    ledger = WindowLedger.empty(shape.batch, shape.num_kv_heads, shape.head_dim, omega, bits, shape.dtype,
+                                device="meta", num_windows=1)
+    return sum(ledger.nbytes_by_component().values())
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Per-layer capacities for one generation of at most ``max_length`` tokens."""
+
+    max_length: int
+    budget_bytes: int
+    num_windows: int
+    k_full: int
+    k_quant: int
+    keeps_dormant: bool
+    fixed_bytes: int  # per layer: sinks, recent region with Ω pending tokens, score table, query buffer
+    full_window_bytes: int  # per layer and window, dormant-ledger reservation included when kept
+    quant_window_bytes: int
+
+
+def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer: bool) -> TierPlan:
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1 (got {max_length})")
+    budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget * shape.fullkv_bytes(max_length))
+    num_windows = math.ceil(max(max_length - cfg.sinks, 0) / cfg.omega)
+    # The recent region holds up to recent + Ω - 1 tokens after routing, plus Ω arriving before the next event.
+    fp_tokens = min(cfg.sinks + cfg.recent + 2 * cfg.omega - 1, max_length)
+    fixed = fp_tokens * shape.token_bytes() + shape.batch * num_windows * SCORE_BYTES
+    if query_buffer:
+        fixed += shape.batch * shape.num_q_heads * cfg.omega * shape.head_dim * shape.element_size
+    hist = budget // shape.num_layers - fixed
+    if hist < 0:
+        least = shape.num_layers * fixed
+        raise ValueError(
+            f"budget of {budget} bytes cannot hold the protected regions: sinks={cfg.sinks}, recent={cfg.recent} and "
+            f"Ω={cfg.omega} pending tokens need {least} bytes ({least / shape.fullkv_bytes(max_length):.3f} of the "
+            f"full cache at max_length={max_length}); raise the budget or lower sinks/recent/omega"
+        )
+    m_full = cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
+    m_quant = quant_window_bytes(shape, cfg.omega, cfg.bits)
+    m_dormant = m_quant + shape.batch * FLAG_BYTES
+    if num_windows * m_full <= hist:  # everything fits in full precision: nothing is compressed
+        return TierPlan(max_length, budget, num_windows, num_windows, 0, False, fixed, m_full, m_quant)
+    keeps_dormant = cfg.promotion and cfg.q_frac > 0
+    m_f = m_full + (m_dormant if keeps_dormant else 0)
+    k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
+    k_quant = math.floor(cfg.q_frac * hist / m_quant)
+    if k_full + k_quant > num_windows:
+        # Eq. 3 would reserve quantized slots no sequence of this length can fill: spend the surplus on full
+        # precision instead (the largest k_full with k_full * m_f + (W - k_full) * m_quant <= hist).
+        k_full = min(num_windows, max(0, (hist - num_windows * m_quant) // (m_f - m_quant)))
+        k_quant = num_windows - k_full
+    if k_quant == 0 and keeps_dormant:
+        keeps_dormant, m_f = False, m_full
+        k_full = min(num_windows, hist // m_f)
+    return TierPlan(max_length, budget, num_windows, k_full, k_quant, keeps_dormant, fixed, m_f, m_quant)

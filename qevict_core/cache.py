@@ -1,0 +1,257 @@
+"""QEvict's three-tier cache (Sections 4.1-4.3, Algorithm 1) as a transformers ``Cache``.
+
+Per layer and batch row, tokens after the sink prefix are grouped in windows of Ω tokens. Sinks and the recent
+region stay in full precision; windows leaving the recent region become candidates. At every routing event
+(end of prefill, then every Ω tokens) the candidates - full-tier windows, quantized windows and newly aged
+windows - are ranked by score: the top K_f are kept in full precision, the next K_q in the low-bit tier and the
+rest evicted. Quantized windows take part in attention, so they keep accumulating score and can be promoted.
+
+State of one layer, all in the (B, H, T, D) layout, sized to what is live (nothing is preallocated):
+  sink_k/v (B,H,s,D) | full_k/v (B,H,nF*Ω,D) + full_ids (B,nF) | recent_k/v (B,H,nR,D) from ``recent_start``
+  quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
+  scores (B,W) float32 (the scorer's table); qbuf (B,Hq,<Ω,D) queries since the last routing event.
+``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
+from that tensor, so promotion costs a gather, not another dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .budget import KVShape, plan_tiers
+from .cache_base import ReportingCache, ReportingLayer
+from .config import QEvictConfig
+from .events import RoutingEvent
+from .layout import gather_seq, window_of_position, window_positions
+from .ledger import WindowLedger
+from .rope import Rope
+from .scorers import make_scorer
+from .scoring import key_attention_mass, window_mass
+from .attention import sdpa_with_positions, use_qevict_attention
+from .routing import route_windows
+
+
+class RoutingSchedule:
+    """The one place that owns the routing clock: every layer routes in the same forward."""
+
+    def __init__(self, omega: int):
+        self.omega = omega
+        self.seen = 0
+        self.last_route: int | None = None
+        self.routing_now = False
+
+    def begin_forward(self, num_tokens: int) -> None:
+        self.seen += num_tokens
+        self.routing_now = self.last_route is None or self.seen - self.last_route >= self.omega
+        if self.routing_now:
+            self.last_route = self.seen
+
+
+class QEvictLayer(ReportingLayer):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self.owner
+        b, h, _, d = key_states.shape
+        if b != owner.shape.batch:
+            raise ValueError(f"cache was made for batch size {owner.shape.batch}, got {b}")
+        empty = key_states.new_zeros(b, h, 0, d)
+        self.sink_k = self.sink_v = self.full_k = self.full_v = self.recent_k = self.recent_v = empty
+        self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
+        ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits, key_states.dtype,
+                                    key_states.device)
+        self.quant = ledger
+        self.dormant = ledger if owner.plan.keeps_dormant else None
+        self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
+        self.recent_start = owner.config.sinks
+        self.scores = torch.zeros(b, owner.plan.num_windows, dtype=torch.float32, device=key_states.device)
+        self.qbuf = None
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_length(key_states.shape[2])
+        to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
+        self.seen += key_states.shape[2]
+        if to_sinks:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
+        self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sinks:]], dim=2)
+        self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
+        keys = [self.sink_k, self.full_k, self.recent_k]
+        values = [self.sink_v, self.full_v, self.recent_v]
+        if self.quant.num_windows:
+            q_keys, q_values = self.quant.dequantize()
+            keys.insert(0, self.owner.rope.rotate(q_keys, window_positions(self.quant.ids, *self._grid)))
+            values.insert(0, q_values)
+        return self.returning(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+
+    @property
+    def _grid(self) -> tuple[int, int]:
+        return self.owner.config.sinks, self.owner.config.omega
+
+    def attend(self, module, query, key, value, scaling, dropout):
+        out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+        if self.owner.scorer.needs_attention:
+            self.qbuf = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
+        if self.owner.schedule.routing_now:
+            self._route(key, value, scaling)
+            self.owner.note_bytes(self.layer_idx)
+        return out
+
+    def attended_positions(self) -> torch.Tensor:
+        """(B, N) absolute positions of the keys ``update`` returned, in the same order."""
+        b, device = self.full_ids.shape[0], self.full_ids.device
+        parts = [window_positions(self.quant.ids, *self._grid)] if self.quant.num_windows else []
+        parts.append(torch.arange(self.sink_k.shape[2], device=device).expand(b, -1))
+        parts.append(window_positions(self.full_ids, *self._grid))
+        n_recent = self.recent_k.shape[2]
+        parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
+        return torch.cat(parts, dim=1)
+
+    def _route(self, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+        owner, (sinks, omega) = self.owner, self._grid
+        key_pos = self.attended_positions()
+        if self.qbuf is not None:
+            query_pos = torch.arange(self.seen - self.qbuf.shape[2], self.seen, device=keys.device)
+            mass = key_attention_mass(self.qbuf, query_pos, keys, key_pos, scaling)
+            owner.scorer.update(self.scores, window_mass(mass, window_of_position(key_pos, sinks, omega),
+                                                         owner.plan.num_windows))
+            self.qbuf = None
+        first_recent = (self.recent_start - sinks) // omega
+        num_aged = max(0, (self.seen - owner.config.recent - sinks) // omega - first_recent)
+        aged_ids = torch.arange(first_recent, first_recent + num_aged, device=keys.device, dtype=torch.int32)
+        aged_ids = aged_ids.expand(keys.shape[0], -1)
+        if num_aged:
+            owner.scorer.on_aged(self.scores, aged_ids, self.recent_k[:, :, :num_aged * omega])
+        n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
+        # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
+        fp_start = n_quant * omega + self.sink_k.shape[2]
+        starts = torch.cat([torch.arange(n_quant) * omega, fp_start + torch.arange(n_full) * omega,
+                            fp_start + (n_full + torch.arange(num_aged)) * omega]).to(keys.device)
+        cand_ids = torch.cat([self.quant.ids, self.full_ids, aged_ids], dim=1)
+        has_record = torch.cat([torch.ones_like(self.quant.ids, dtype=torch.bool),
+                                self.dormant_valid if self.dormant is not None
+                                else torch.zeros_like(self.full_ids, dtype=torch.bool),
+                                torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
+        decision = route_windows(owner.scorer.ranking(self.scores).gather(1, cand_ids.long()), cand_ids,
+                                 n_quant, owner.plan.k_full, owner.plan.k_quant, owner.config.promotion)
+        old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
+        records = self.quant.cat(self.dormant) if self.dormant is not None else self.quant
+
+        full_tok = _token_index(starts, decision.full, omega)
+        self.full_k, self.full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+        self.full_ids = cand_ids.gather(1, decision.full)
+        if self.dormant is not None:
+            self.dormant = _select_records(records, decision.full, self.full_k)
+            self.dormant_valid = has_record.gather(1, decision.full)
+
+        quant = _select_records(records, decision.quant, keys)
+        need = ~has_record.gather(1, decision.quant)
+        if need.any():
+            slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :int(need.sum(1).max())]
+            chosen = decision.quant.gather(1, slots)
+            tok = _token_index(starts, chosen, omega)
+            ids = cand_ids.gather(1, chosen)
+            pre_rope = owner.rope.unrotate(gather_seq(keys, tok), window_positions(ids, sinks, omega))
+            fresh = WindowLedger.quantize(pre_rope, gather_seq(values, tok), ids, omega, owner.config.bits)
+            quant = quant.overwrite(slots, need.gather(1, slots), fresh)
+        self.quant = quant
+        self.recent_k = self.recent_k[:, :, num_aged * omega:]
+        self.recent_v = self.recent_v[:, :, num_aged * omega:]
+        self.recent_start += num_aged * omega
+        owner.count_moves(decision, n_quant, n_full)
+        if old is not None:
+            owner.events.append(self._event(old, aged_ids[0].tolist()))
+
+    def _event(self, old, aged: list[int]) -> RoutingEvent:
+        old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
+        full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
+        live = set(full) | set(quant)
+        evicted = sorted((old_full | old_quant | set(aged)) - live)
+        sinks, omega = self._grid
+        recent = range((self.recent_start - sinks) // omega, (self.seen - 1 - sinks) // omega + 1)
+        shown = sorted(live | set(evicted) | set(recent))
+        ranking = self.owner.scorer.ranking(self.scores[0])
+        values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
+        return RoutingEvent(
+            lane="", step=self.owner.step, layer=self.layer_idx, seen=self.seen, recent_start=self.recent_start,
+            full=full, quantized=quant,
+            promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
+            admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
+            scores=dict(zip(shown, values)),
+        )
+
+    def resident_bytes(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {}
+        quant = self.quant.nbytes_by_component()
+        dormant = sum(self.dormant.nbytes_by_component().values()) if self.dormant is not None else 0
+        return {
+            "sink": self.sink_k.nbytes + self.sink_v.nbytes,
+            "recent": self.recent_k.nbytes + self.recent_v.nbytes,
+            "full": self.full_k.nbytes + self.full_v.nbytes,
+            "quantized": quant["quantized"],
+            "quant_meta": quant["quant_meta"],
+            "index": quant["index"] + self.full_ids.nbytes,
+            "ledger": dormant + self.dormant_valid.nbytes,
+            "scores": self.scores.nbytes,
+            "query_buffer": self.qbuf.nbytes if self.qbuf is not None else 0,
+        }
+
+    def tier_counts(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"sink": 0, "recent": 0, "full": 0, "quantized": 0, "evicted": 0}
+        sinks, omega = self._grid
+        left_recent = (self.recent_start - sinks) // omega
+        n_full, n_quant = self.full_ids.shape[1], self.quant.num_windows
+        return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2], "full": n_full * omega,
+                "quantized": n_quant * omega, "evicted": (left_recent - n_full - n_quant) * omega}
+
+
+def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
+    """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
+    return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
+
+
+def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.Tensor) -> WindowLedger:
+    """Ledger records of the chosen candidates; candidates without a record get zeros (flagged invalid)."""
+    if records.num_windows == 0:
+        b, h, _, d = like.shape
+        return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
+                                  num_windows=cand_idx.shape[1])
+    return records.select(cand_idx.clamp(max=records.num_windows - 1))
+
+
+class QEvictCache(ReportingCache):
+    """Three-tier recoverable cache for one generation of at most ``max_length`` tokens."""
+
+    method = "qevict"
+
+    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1):
+        use_qevict_attention(model)
+        self.config = config
+        self.scorer = make_scorer(config)
+        shape = KVShape.from_model(model, batch_size)
+        self.plan = plan_tiers(shape, config, max_length, query_buffer=self.scorer.needs_attention)
+        self.rope = Rope.from_model(model)
+        self.schedule = RoutingSchedule(config.omega)
+        self._moves: torch.Tensor | None = None
+        layers = [QEvictLayer(i, self) for i in range(shape.num_layers)]
+        super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
+
+    def begin_forward(self, num_tokens: int) -> None:
+        self.schedule.begin_forward(num_tokens)
+
+    def count_moves(self, decision, n_quant: int, n_full: int) -> None:
+        """Promotions (Q->F), demotions (F->Q) and evictions, summed over layers and batch rows."""
+        evicted = decision.num_candidates * decision.full.shape[0] - decision.full.numel() - decision.quant.numel()
+        moves = torch.stack([(decision.full < n_quant).sum(),
+                             ((decision.quant >= n_quant) & (decision.quant < n_quant + n_full)).sum(),
+                             torch.tensor(evicted, device=decision.full.device)])
+        # Kept on the device: a host sync per layer and event would stall GPU decoding.
+        self._moves = moves if self._moves is None else self._moves + moves
+
+    def summary(self) -> dict:
+        promotions, demotions, evictions = self._moves.tolist() if self._moves is not None else (0, 0, 0)
+        return {"promotions": promotions, "demotions": demotions, "evictions": evictions,
+                "k_full": self.plan.k_full, "k_quant": self.plan.k_quant}

@@ -1,0 +1,141 @@
+"""What every cache in the registry shares: measured byte reports, tier counts, events, and the link to the
+model's attention modules.
+
+A ``ReportingCache`` is a transformers ``Cache`` whose layers are ``ReportingLayer``s. Reports are measured:
+each layer lists the ``nbytes`` of the tensors it keeps, and the cache adds them up.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import sdpa_with_positions
+from .budget import KVShape
+
+
+class ReportingLayer(CacheLayerMixin):
+    """A cache layer that reports the tensors it keeps. Layout (B, H, T, D) everywhere."""
+
+    def __init__(self, layer_idx: int, owner: ReportingCache):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.owner = owner
+        self.seen = 0
+
+    @abstractmethod
+    def resident_bytes(self) -> dict[str, int]:
+        """nbytes of every persistent tensor, by component."""
+
+    @abstractmethod
+    def tier_counts(self) -> dict[str, int]:
+        """Tokens per tier (sink, recent, full, quantized, evicted)."""
+
+    def attend(self, module, query, key, value, scaling: float, dropout: float) -> torch.Tensor:
+        """Attention over what ``update`` returned; layers that score or route override this."""
+        return sdpa_with_positions(module, query, key, value, scaling, dropout)
+
+    def claim(self, keys: torch.Tensor) -> bool:
+        """True once for the keys the last ``update`` returned: this attention call belongs to this cache."""
+        mine = getattr(self, "_returned_keys", None) is keys
+        self._returned_keys = None
+        return mine
+
+    def returning(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._returned_keys = keys
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def _check_length(self, incoming: int) -> None:
+        if self.seen + incoming > self.owner.max_length:
+            raise ValueError(
+                f"this cache was sized for max_length={self.owner.max_length} tokens; "
+                f"{self.seen + incoming} would exceed it (make the cache with a larger max_length)"
+            )
+
+
+class ReportingCache(Cache):
+    """Base of every registry cache. ``step`` counts forwards (0 = prefill)."""
+
+    method = "base"
+
+    def __init__(self, layers: list[ReportingLayer], model, shape: KVShape, max_length: int,
+                 budget_bytes: int | None):
+        super().__init__(layers=layers)
+        self.shape = shape
+        self.max_length = max_length
+        self.budget_bytes = budget_bytes
+        self.events: list = []
+        self.step = -1
+        self.peak_bytes = 0
+        self._layer_bytes = [0] * len(layers)
+        self._attention_modules = _attention_modules(model, len(layers))
+
+    # -- transformers Cache API -------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self.step += 1
+            self.begin_forward(key_states.shape[-2])
+        # The attention function finds the layer through its module: the cache attaches itself while in use.
+        self._attention_modules[layer_idx].qevict_layer = self.layers[layer_idx]
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        self.note_bytes(layer_idx)
+        return keys, values
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Hook for caches that keep a schedule (all layers see the same step)."""
+
+    # -- reports ----------------------------------------------------------------------------------------------
+    def note_bytes(self, layer_idx: int) -> None:
+        self._layer_bytes[layer_idx] = sum(self.layers[layer_idx].resident_bytes().values())
+        self.peak_bytes = max(self.peak_bytes, sum(self._layer_bytes))
+
+    def memory_report(self) -> dict:
+        components: dict[str, int] = {}
+        for layer in self.layers:
+            for name, nbytes in layer.resident_bytes().items():
+                components[name] = components.get(name, 0) + nbytes
+        total = sum(components.values())
+        seen = self.get_seq_length()
+        fullkv = self.shape.fullkv_bytes(seen)
+        return {
+            "total_bytes": total,
+            "fullkv_bytes": fullkv,
+            "ratio": total / fullkv if fullkv else 0.0,
+            "budget_bytes": self.budget_bytes,
+            "budget_ratio": (self.budget_bytes / self.shape.fullkv_bytes(self.max_length)
+                             if self.budget_bytes is not None else None),
+            "peak_bytes": self.peak_bytes,
+            "seen": seen,
+            "max_length": self.max_length,
+            "components": components,
+        }
+
+    def tier_counts(self) -> list[dict[str, int]]:
+        return [layer.tier_counts() for layer in self.layers]
+
+    def drain_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def summary(self) -> dict:
+        return {}
+
+
+def _attention_modules(model, num_layers: int) -> list:
+    found = {m.layer_idx: m for m in model.modules()
+             if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")}
+    if sorted(found) != list(range(num_layers)):
+        raise ValueError(f"{type(model).__name__}: expected attention modules for layers 0..{num_layers - 1}, "
+                         f"found {sorted(found)}")
+    return [found[i] for i in range(num_layers)]

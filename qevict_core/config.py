@@ -1,0 +1,80 @@
+"""Configuration of a compressed cache, validated on construction.
+
+One dataclass serves QEvict, its ablations and the baselines: every method reads the fields it needs and
+ignores the rest, so the studio and the benchmarks can pass one config to any method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
+BITS = (2, 4)
+
+
+@dataclass(frozen=True)
+class QEvictConfig:
+    """Knobs of the three-tier cache (paper defaults, Section 5 and Appendix B.5).
+
+    budget:       fraction of the full-precision KV bytes of ``max_length`` tokens that the cache may hold.
+    budget_bytes: an absolute byte budget instead of ``budget`` (takes precedence when given).
+    omega:        routing interval and window size Ω, in tokens.
+    sinks:        protected attention-sink prefix, in tokens (full precision).
+    recent:       protected recent region, in tokens (full precision).
+    q_frac:       fraction q of the historical budget given to the quantized tier (Eq. 3).
+    bits:         precision of the recoverable tier (2 or 4).
+    scorer:       window ranking function (Appendix J): cumulative, decay, pnorm or keynorm.
+    promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
+    decay:        λ of the ``decay`` scorer.
+    p:            exponent of the ``pnorm`` scorer.
+    record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
+    """
+
+    budget: float = 0.2
+    budget_bytes: int | None = None
+    omega: int = 8
+    sinks: int = 5
+    recent: int = 32
+    q_frac: float = 0.70
+    bits: int = 2
+    scorer: str = "cumulative"
+    promotion: bool = True
+    decay: float = 0.99
+    p: float = 3.0
+    record_events: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is None and not self.budget > 0:
+            raise ValueError(f"budget must be a fraction > 0 of the full KV cache (got {self.budget!r})")
+        if self.budget_bytes is not None and not self.budget_bytes > 0:
+            raise ValueError(f"budget_bytes must be a positive number of bytes (got {self.budget_bytes!r})")
+        if not (isinstance(self.omega, int) and self.omega >= 1):
+            raise ValueError(f"omega must be an integer >= 1 (got {self.omega!r})")
+        if not (isinstance(self.sinks, int) and self.sinks >= 0):
+            raise ValueError(f"sinks must be an integer >= 0 (got {self.sinks!r})")
+        if not (isinstance(self.recent, int) and self.recent >= 0):
+            raise ValueError(f"recent must be an integer >= 0 (got {self.recent!r})")
+        if not 0.0 <= self.q_frac <= 1.0:
+            raise ValueError(f"q_frac must lie in [0, 1] (got {self.q_frac!r})")
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS} (got {self.bits!r})")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {SCORERS} (got {self.scorer!r})")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must lie in (0, 1] (got {self.decay!r})")
+        if not self.p >= 1.0:
+            raise ValueError(f"p must be >= 1 (got {self.p!r})")
+
+    def replace(self, **changes) -> QEvictConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QEvictConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,42 @@
+"""The uncompressed reference: every token in full precision, reported like every other method."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import use_qevict_attention
+from .budget import KVShape
+from .cache_base import ReportingCache, ReportingLayer
+from .config import QEvictConfig
+
+
+class FullKVLayer(ReportingLayer):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_length(key_states.shape[2])
+        self.seen += key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        return self.returning(self.keys, self.values)
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {"full": self.keys.nbytes + self.values.nbytes} if self.is_initialized else {}
+
+    def tier_counts(self) -> dict[str, int]:
+        return {"sink": 0, "recent": 0, "full": self.seen, "quantized": 0, "evicted": 0}
+
+
+class FullKVCache(ReportingCache):
+    method = "fullkv"
+
+    def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
+        use_qevict_attention(model)
+        shape = KVShape.from_model(model, batch_size)
+        layers = [FullKVLayer(i, self) for i in range(shape.num_layers)]
+        super().__init__(layers, model, shape, max_length, budget_bytes=None)

@@ -1,0 +1,127 @@
+"""One decode loop for every consumer: the CLI, the studio and the benchmarks.
+
+Several lanes (a lane = a method with its own cache) run on the same model in lockstep: all lanes prefill, then
+each step advances every unfinished lane by one token. The loop yields the event stream (tokens, routing events,
+memory reports, and a final ``DoneEvent`` per lane); a ``should_stop`` callback ends it early, keeping what was
+generated. ``model.generate(..., cache=...)`` works with the same caches; a test keeps both paths equal.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .cache_base import ReportingCache
+from .events import DoneEvent, MemoryEvent, TokenEvent
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when temperature == 0; otherwise seeded sampling (the same seed in every lane)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] (got {self.top_p})")
+
+
+@dataclass
+class Lane:
+    name: str
+    cache: ReportingCache
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    done: str | None = None
+    generator: torch.Generator | None = None
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = ids if isinstance(ids, list) else [ids]
+    return {i for i in ids + [tokenizer.eos_token_id] if i is not None}
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature == 0:
+        return int(logits.argmax(dim=-1))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < sampling.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator:
+    """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches."""
+    stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    for lane in lanes:
+        needed = input_ids.shape[1] + sampling.max_new_tokens
+        if lane.cache.max_length < needed:
+            raise ValueError(f"lane {lane.name!r}: cache max_length {lane.cache.max_length} < prompt + new tokens "
+                             f"= {needed}")
+        if sampling.temperature > 0:
+            lane.generator = torch.Generator().manual_seed(sampling.seed)
+    for step in range(sampling.max_new_tokens):
+        for lane in lanes:
+            if lane.done:
+                continue
+            if should_stop is not None and should_stop():
+                lane.done = "stopped"
+                continue
+            feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]]], device=device)
+            try:
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    logits = model(input_ids=feed, cache=lane.cache, use_cache=True, logits_to_keep=1).logits
+                token = next_token(logits[0, -1], sampling, lane.generator)
+                seconds = time.perf_counter() - started
+            except Exception as err:  # one failing lane must not take the others down
+                lane.done = f"error: {err}"
+                continue
+            if step == 0:
+                lane.prefill_seconds = seconds
+            else:
+                lane.decode_seconds += seconds
+            yield from _lane_events(lane, step, token, seconds, tokenizer)
+            if token in stop_ids:
+                lane.done = "eos"
+            elif step + 1 == sampling.max_new_tokens:
+                lane.done = "length"
+        if all(lane.done for lane in lanes):
+            break
+    for lane in lanes:
+        yield DoneEvent(lane=lane.name, step=len(lane.tokens), reason=lane.done or "stopped", text=lane.text,
+                        tokens=len(lane.tokens), prefill_seconds=lane.prefill_seconds,
+                        decode_seconds=lane.decode_seconds, summary=lane.cache.summary())
+
+
+def _lane_events(lane: Lane, step: int, token: int, seconds: float, tokenizer) -> Iterator:
+    for event in lane.cache.drain_events():
+        event.lane = lane.name
+        yield event
+    lane.tokens.append(token)
+    text = tokenizer.decode(lane.tokens, skip_special_tokens=True)
+    delta, lane.text = text[len(lane.text):], text
+    yield TokenEvent(lane=lane.name, step=step, token_id=token, text=delta, seconds=seconds)
+    report = lane.cache.memory_report()
+    yield MemoryEvent(lane=lane.name, step=step, total_bytes=report["total_bytes"],
+                      fullkv_bytes=report["fullkv_bytes"], budget_bytes=report["budget_bytes"],
+                      peak_bytes=report["peak_bytes"], components=report["components"])

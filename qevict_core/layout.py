@@ -1,0 +1,31 @@
+"""Index helpers for the one tensor layout used everywhere: (batch, kv_heads, seq, head_dim).
+
+Windows are contiguous runs of Ω tokens. Window ``w`` of a layer covers absolute positions
+``[sinks + w * Ω, sinks + (w + 1) * Ω)``; positions are never renumbered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_token_index(window_idx: torch.Tensor, omega: int) -> torch.Tensor:
+    """(B, n) window slots -> (B, n * Ω) token slots, window-major."""
+    offsets = torch.arange(omega, device=window_idx.device, dtype=window_idx.dtype)
+    return (window_idx.unsqueeze(-1) * omega + offsets).flatten(-2)
+
+
+def gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X)."""
+    b, h, _, width = x.shape
+    return x.gather(2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width))
+
+
+def window_positions(window_ids: torch.Tensor, sinks: int, omega: int) -> torch.Tensor:
+    """(B, n) window ids -> (B, n * Ω) absolute token positions."""
+    return window_token_index(window_ids.long(), omega) + sinks
+
+
+def window_of_position(positions: torch.Tensor, sinks: int, omega: int) -> torch.Tensor:
+    """Absolute positions -> window ids; sink positions map to -1."""
+    return torch.where(positions >= sinks, torch.div(positions - sinks, omega, rounding_mode="floor"), -1)

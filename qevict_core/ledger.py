@@ -1,0 +1,133 @@
+"""The write-once quantization ledger: packed low-bit windows of one layer.
+
+A window is quantized once, at its first demotion, and its codes and parameters are then only moved (promotion
+keeps them as a dormant record, a later demotion reactivates them) or freed (eviction). Nothing here ever
+re-quantizes a dequantized tensor, which is what keeps repeated migrations bit-stable (Section 4.3).
+
+Keys are stored in the pre-RoPE domain so that per-channel statistics are not smeared by the rotation; the
+caller re-rotates them at their original positions after dequantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import gather_seq, window_token_index
+from .quant import codes_per_byte, dequantize, pack, quantize, unpack
+
+# Tensors laid out along the sequence axis (dim 2): per window (key statistics) or per token (codes, value stats).
+_PER_WINDOW = ("k_scale", "k_zero")
+_SEQ_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+@dataclass
+class WindowLedger:
+    """n quantized windows per batch row, window-major in the (B, H, seq, ·) layout.
+
+    ids      (B, n)             int32 window ids
+    k_codes  (B, H, n*Ω, D/c)   uint8, c = 8 // bits codes per byte, pre-RoPE keys
+    v_codes  (B, H, n*Ω, D/c)   uint8
+    k_scale, k_zero (B, H, n, D)     one pair per channel per window
+    v_scale, v_zero (B, H, n*Ω, 1)   one pair per token
+    """
+
+    ids: torch.Tensor
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    omega: int
+    bits: int
+
+    @property
+    def num_windows(self) -> int:
+        return self.ids.shape[1]
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, omega: int, bits: int, dtype: torch.dtype,
+              device: torch.device | str, num_windows: int = 0) -> WindowLedger:
+        packed = head_dim // codes_per_byte(bits)
+        tokens = num_windows * omega
+        return cls(
+            ids=torch.zeros(batch, num_windows, dtype=torch.int32, device=device),
+            k_codes=torch.zeros(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
+            v_codes=torch.zeros(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
+            k_scale=torch.zeros(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
+            k_zero=torch.zeros(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
+            v_scale=torch.zeros(batch, heads, tokens, 1, dtype=dtype, device=device),
+            v_zero=torch.zeros(batch, heads, tokens, 1, dtype=dtype, device=device),
+            omega=omega,
+            bits=bits,
+        )
+
+    @classmethod
+    def quantize(cls, keys_prerope: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, omega: int,
+                 bits: int) -> WindowLedger:
+        """keys_prerope, values (B, H, n*Ω, D); ids (B, n)."""
+        b, h, t, d = keys_prerope.shape
+        n = t // omega
+        by_window = keys_prerope.reshape(b, h, n, omega, d)  # (B, H, n, Ω, D)
+        k_codes, k_scale, k_zero = quantize(by_window, bits, dim=3)
+        v_codes, v_scale, v_zero = quantize(values, bits, dim=3)
+        return cls(
+            ids=ids.to(torch.int32),
+            k_codes=pack(k_codes.reshape(b, h, t, d), bits),
+            v_codes=pack(v_codes, bits),
+            k_scale=k_scale.squeeze(3),
+            k_zero=k_zero.squeeze(3),
+            v_scale=v_scale,
+            v_zero=v_zero,
+            omega=omega,
+            bits=bits,
+        )
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (pre-RoPE keys, values), each (B, H, n*Ω, D) in the scale dtype."""
+        b, h, t, _ = self.k_codes.shape
+        k_codes = unpack(self.k_codes, self.bits)
+        d = k_codes.shape[-1]
+        keys = dequantize(
+            k_codes.reshape(b, h, self.num_windows, self.omega, d),  # (B, H, n, Ω, D)
+            self.k_scale.unsqueeze(3),
+            self.k_zero.unsqueeze(3),
+        ).reshape(b, h, t, d)
+        values = dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero)
+        return keys, values
+
+    def select(self, window_idx: torch.Tensor) -> WindowLedger:
+        """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows."""
+        picked = {"ids": self.ids.gather(1, window_idx.long())}
+        for name in _SEQ_FIELDS:
+            picked[name] = gather_seq(getattr(self, name), self._seq_index(name, window_idx))
+        return WindowLedger(**picked, omega=self.omega, bits=self.bits)
+
+    def cat(self, other: WindowLedger) -> WindowLedger:
+        joined = {"ids": torch.cat([self.ids, other.ids], dim=1)}
+        joined.update({name: torch.cat([getattr(self, name), getattr(other, name)], dim=2) for name in _SEQ_FIELDS})
+        return WindowLedger(**joined, omega=self.omega, bits=self.bits)
+
+    def overwrite(self, slots: torch.Tensor, take: torch.Tensor, fresh: WindowLedger) -> WindowLedger:
+        """Write ``fresh``'s windows into ``slots`` (B, m) where ``take`` (B, m) is true; others stay as they are."""
+        slots = slots.long()
+        out = {"ids": self.ids.scatter(1, slots, torch.where(take, fresh.ids, self.ids.gather(1, slots)))}
+        token_take = take.repeat_interleave(self.omega, dim=1)
+        for name in _SEQ_FIELDS:
+            mine, idx = getattr(self, name), self._seq_index(name, slots)
+            mask = take if name in _PER_WINDOW else token_take
+            merged = torch.where(mask[:, None, :, None], getattr(fresh, name), gather_seq(mine, idx))
+            out[name] = mine.scatter(2, idx[:, None, :, None].expand_as(merged), merged)
+        return WindowLedger(**out, omega=self.omega, bits=self.bits)
+
+    def _seq_index(self, name: str, window_idx: torch.Tensor) -> torch.Tensor:
+        return window_idx.long() if name in _PER_WINDOW else window_token_index(window_idx.long(), self.omega)
+
+    def nbytes_by_component(self) -> dict[str, int]:
+        return {
+            "quantized": self.k_codes.nbytes + self.v_codes.nbytes,
+            "quant_meta": self.k_scale.nbytes + self.k_zero.nbytes + self.v_scale.nbytes + self.v_zero.nbytes,
+            "index": self.ids.nbytes,
+        }

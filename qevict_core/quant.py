@@ -1,0 +1,54 @@
+"""Asymmetric low-bit quantization with bit-packed codes.
+
+Keys are quantized per channel across the tokens of a window and values per token across channels (the KIVI
+split, Section 4.3). Codes are packed along the head dimension, ``8 // bits`` codes per byte, so a window's codes
+keep the (batch, kv_heads, seq, packed_dim) layout of the full-precision cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def codes_per_byte(bits: int) -> int:
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits must be one of (2, 4, 8) (got {bits!r})")
+    return 8 // bits
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with one (scale, zero) pair per slice reduced along ``dim``.
+
+    Returns unpacked uint8 codes and scale/zero in ``x``'s dtype (kept along ``dim`` with size 1).
+    Dequantization error is at most scale / 2 per element (round to nearest).
+    """
+    levels = (1 << bits) - 1
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale = (hi - lo) / levels
+    # A constant slice has scale 0: every code is 0 and dequantizes to the zero-point exactly.
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = ((x - lo) * inv).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale, lo
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.to(scale.dtype) * scale + zero
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., D) uint8 codes < 2**bits -> (..., D * bits / 8) bytes; code i of a byte sits at bit bits * i."""
+    per = codes_per_byte(bits)
+    if codes.shape[-1] % per:
+        raise ValueError(f"last dimension {codes.shape[-1]} must be a multiple of {per} to pack {bits}-bit codes")
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: (..., P) bytes -> (..., P * 8 / bits) codes."""
+    per = codes_per_byte(bits)
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)

@@ -1,0 +1,42 @@
+"""Rotary position embedding at arbitrary absolute positions, using the model's own rotary module.
+
+Quantized keys are stored pre-RoPE: un-rotated with their original positions before quantization and re-rotated
+after dequantization. Using the model's rotary module keeps every RoPE variant it supports (scaled, llama3, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """Rotates (B, H, T, D) keys at positions (B, T) with the model's rotary embedding."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> Rope:
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                return cls(module)
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module; QEvict needs a RoPE model")
+
+    def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(like, positions.long())  # (B, T, D)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): shared by every head
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(keys, positions)
+        return keys * cos + _rotate_half(keys) * sin
+
+    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Exact inverse of :meth:`rotate`, also when the rotary module scales cos and sin (cos² + sin² ≠ 1)."""
+        cos, sin = self.cos_sin(keys, positions)
+        return (keys * cos - _rotate_half(keys) * sin) / (cos * cos + sin * sin)

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random models built from configs (no downloads) and the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+torch.set_num_threads(int(os.environ.get("QEVICT_TEST_THREADS", "2")))
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(family: str = "llama", kv_heads: int = 2, seed: int = 0, **overrides):
+    config_cls, model_cls = FAMILIES[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    config = config_cls(**TINY, num_key_value_heads=kv_heads, **extra, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    # Random init gives near-uniform attention; a larger query/key scale makes it peaked like a trained model's.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(4.0)
+    return model.eval()
+
+
+TINY_CASES = [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2), ("mistral", 4), ("qwen2", 4)]
+
+
+@pytest.fixture(params=TINY_CASES, ids=lambda c: f"{c[0]}-kv{c[1]}")
+def any_tiny_model(request):
+    family, kv_heads = request.param
+    return tiny_model(family, kv_heads)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from qevict_core import load_model
+
+    return load_model(device="cpu")
+
+
+def random_prompt(length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=generator)

@@ -1,0 +1,77 @@
+"""Measured bytes stay within the budget at every decode step, and all three tiers are used."""
+
+import pytest
+import torch
+
+from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core.ledger import WindowLedger
+from tests.conftest import random_prompt, tiny_model
+from tests.test_equivalence import _Tok
+
+
+def resident_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor a layer holds, found by walking its attributes (independent of resident_bytes)."""
+    found = []
+    for name, value in vars(layer).items():
+        if name in ("owner", "_returned_keys"):
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, WindowLedger):
+            found.extend(v for v in vars(value).values() if isinstance(v, torch.Tensor))
+    return found
+
+
+def walked_bytes(cache) -> int:
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for tensor in resident_tensors(layer):
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+            if key not in seen and tensor.numel():
+                seen.add(key)
+                total += tensor.nbytes
+    return total
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_budget_holds_over_300_steps(kv_heads, budget):
+    model = tiny_model("llama", kv_heads)
+    prompt_len, new = 1200, 300
+    cache = make_cache("qevict", model, QEvictConfig(budget=budget), max_length=prompt_len + new)
+    lane = Lane("qevict", cache)
+    steps = 0
+    for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [lane], Sampling(max_new_tokens=new)):
+        if event.kind == "memory":
+            steps += 1
+            assert event.total_bytes <= cache.budget_bytes, f"step {event.step}: {event.total_bytes} > budget"
+            assert event.total_bytes == walked_bytes(cache)
+    assert steps == new
+    for tiers in cache.tier_counts():
+        assert tiers["full"] > 0 and tiers["quantized"] > 0 and tiers["evicted"] > 0
+    report = cache.memory_report()
+    # The uncompressed prompt existed during prefill: it is reported as the peak, above the budget.
+    assert report["peak_bytes"] > cache.budget_bytes >= report["total_bytes"]
+    assert report["ratio"] <= budget * 1.001
+    assert report["budget_ratio"] == pytest.approx(budget, rel=1e-6)
+    assert sum(report["components"].values()) == report["total_bytes"]
+
+
+def test_capacities_follow_eq3():
+    model = tiny_model("llama", 2)
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.2, q_frac=0.7), max_length=2000)
+    plan = cache.plan
+    hist = plan.budget_bytes // cache.shape.num_layers - plan.fixed_bytes
+    assert plan.k_full == int(0.3 * hist // plan.full_window_bytes)
+    assert plan.k_quant == int(0.7 * hist // plan.quant_window_bytes)
+    assert plan.k_full * plan.full_window_bytes + plan.k_quant * plan.quant_window_bytes <= hist
+    # INT2 windows are several times cheaper than full ones, so the quantized tier holds more windows.
+    assert plan.k_quant > 3 * plan.k_full
+
+
+def test_int4_holds_fewer_windows_than_int2():
+    model = tiny_model("llama", 2)
+    int2 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=2), max_length=2000).plan
+    int4 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=4), max_length=2000).plan
+    assert int4.quant_window_bytes > int2.quant_window_bytes
+    assert int4.k_quant < int2.k_quant

@@ -1,0 +1,50 @@
+"""Bad configurations raise ValueError naming what is allowed."""
+
+import pytest
+
+from qevict_core import QEvictConfig, make_cache
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"budget": 0}, "budget must be a fraction > 0"),
+    ({"budget": -0.1}, "budget must be a fraction > 0"),
+    ({"budget_bytes": 0}, "budget_bytes must be a positive"),
+    ({"q_frac": 1.5}, r"q_frac must lie in \[0, 1\]"),
+    ({"q_frac": -0.1}, r"q_frac must lie in \[0, 1\]"),
+    ({"bits": 3}, r"bits must be one of \(2, 4\)"),
+    ({"omega": 0}, "omega must be an integer >= 1"),
+    ({"sinks": -1}, "sinks must be an integer >= 0"),
+    ({"recent": -2}, "recent must be an integer >= 0"),
+    ({"scorer": "magic"}, "scorer must be one of .*cumulative.*decay.*pnorm.*keynorm"),
+])
+def test_bad_config_raises_with_allowed_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QEvictConfig(**kwargs)
+
+
+def test_budget_smaller_than_protected_regions():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="cannot hold the protected regions.*sinks=5, recent=32"):
+        make_cache("qevict", model, QEvictConfig(budget=0.05), max_length=300)
+
+
+def test_unknown_method_lists_known_ones():
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; known methods: \[.*'fullkv'.*'qevict'"):
+        make_cache("nope", tiny_model(), QEvictConfig(), max_length=100)
+
+
+def test_config_round_trips_and_rejects_unknown_keys():
+    cfg = QEvictConfig(budget=0.1, omega=16, bits=4, scorer="pnorm", promotion=False)
+    assert QEvictConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown config keys"):
+        QEvictConfig.from_dict({"budget": 0.1, "colour": "red"})
+
+
+def test_cache_refuses_tokens_beyond_max_length():
+    import torch
+
+    model = tiny_model()
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5), max_length=20)
+    with pytest.raises(ValueError, match="sized for max_length=20"):
+        model(torch.zeros(1, 21, dtype=torch.long), cache=cache)

@@ -1,0 +1,156 @@
+"""Routing: scores equal eager attention, quantized windows regain attention and get promoted, records are
+write-once across promote/demote cycles."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from qevict_core import QEvictConfig, make_cache
+from qevict_core.attention import qevict_attention
+from qevict_core.layout import window_positions
+from tests.conftest import random_prompt, tiny_model
+
+D, OMEGA, SINKS, RECENT = 16, 8, 4, 8
+
+
+class Driver:
+    """Feeds hand-made keys, values and queries through layer 0's update and the registered attention."""
+
+    def __init__(self, promotion=True, k_full=3, k_quant=5):
+        self.model = tiny_model("llama", 2)
+        config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, promotion=promotion)
+        self.cache = make_cache("qevict", self.model, config, max_length=400)
+        self.cache.plan = dataclasses.replace(self.cache.plan, k_full=k_full, k_quant=k_quant,
+                                              keeps_dormant=promotion)
+        self.module = self.model.model.layers[0].self_attn
+        self.layer = self.cache.layers[0]
+        torch.manual_seed(0)
+
+    def step(self, keys, values, query):
+        k, v = self.cache.update(keys, values, 0)
+        out, _ = qevict_attention(self.module, query, k, v, None, scaling=self.module.scaling)
+        return out
+
+
+def window_direction(w: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(w % D), D).float()
+
+
+def keys_for(positions: range) -> torch.Tensor:
+    """Token at position p carries the direction of its window (sinks get a direction of their own)."""
+    rows = [window_direction((p - SINKS) // OMEGA) if p >= SINKS else torch.zeros(D) for p in positions]
+    return torch.stack(rows)[None, None].expand(1, 2, -1, -1).contiguous() * 6.0
+
+
+def query_towards(w: int, tokens: int = 1) -> torch.Tensor:
+    return (window_direction(w) * 6.0).expand(1, 4, tokens, D).contiguous()
+
+
+def run_scenario(promotion: bool):
+    d = Driver(promotion=promotion)
+    n_prompt = SINKS + 12 * OMEGA + RECENT
+    # Prefill: queries favour windows 0-2 strongly, window 6 a little (so it lands in the quantized tier).
+    q = torch.cat([query_towards(w, t) for w, t in [(0, 30), (1, 30), (2, 30), (6, n_prompt - 90)]], dim=2)
+    d.step(keys_for(range(n_prompt)), torch.randn(1, 2, n_prompt, D), q)
+    first = d.cache.drain_events()[0]
+    assert 6 in first.quantized and {0, 1, 2} == set(first.full)
+    promoted_at = None
+    for t in range(n_prompt, n_prompt + 25 * OMEGA):
+        d.step(keys_for(range(t, t + 1)), torch.randn(1, 2, 1, D), query_towards(6))
+        for event in d.cache.drain_events():
+            if 6 in event.promoted and promoted_at is None:
+                promoted_at = event
+    return d, promoted_at
+
+
+def test_quantized_window_regaining_attention_is_promoted():
+    d, promoted = run_scenario(promotion=True)
+    assert promoted is not None, "window 6 kept receiving attention but was never promoted"
+    assert 6 in promoted.full and 6 not in promoted.quantized
+    assert d.cache.summary()["promotions"] >= 1
+    # The promoted window's full-precision copy is its dequantized record (a dormant ledger entry).
+    slot = d.layer.full_ids[0].tolist().index(6)
+    assert bool(d.layer.dormant_valid[0, slot])
+
+
+def test_one_way_ablation_never_promotes():
+    d, promoted = run_scenario(promotion=False)
+    assert promoted is None and d.cache.summary()["promotions"] == 0
+    assert 6 in d.layer.quant.ids[0].tolist()
+
+
+def _record(layer, window: int):
+    ids = layer.quant.ids[0].tolist()
+    one = layer.quant.select(torch.tensor([[ids.index(window)]]))
+    return one, one.dequantize()
+
+
+def test_promote_demote_cycles_keep_the_record_bit_identical():
+    d, _ = run_scenario(promotion=True)
+    layer, target = d.layer, 6
+    # Force the target down to the quantized tier, then cycle it through full precision several times by
+    # overriding its score between routing events.
+    t = layer.seen
+
+    def route_with_score(score):
+        nonlocal t
+        layer.scores[0, target] = score
+        for _ in range(OMEGA):
+            d.step(keys_for(range(t, t + 1)), torch.randn(1, 2, 1, D), query_towards(1))
+            layer.scores[0, target] = score
+            t += 1
+        d.cache.drain_events()
+
+    middle = layer.scores[0, :12].sort(descending=True).values[4].item()  # rank 5: inside the quantized tier
+    route_with_score(middle)
+    assert target in layer.quant.ids[0].tolist()
+    record, (k0, v0) = _record(layer, target)
+    for _ in range(3):
+        route_with_score(1e9)
+        assert target in layer.full_ids[0].tolist()
+        slot = layer.full_ids[0].tolist().index(target)
+        full_k = layer.full_k[:, :, slot * OMEGA:(slot + 1) * OMEGA]
+        rotated = d.cache.rope.rotate(k0, window_positions(torch.tensor([[target]]), SINKS, OMEGA))
+        assert torch.equal(full_k, rotated)  # promotion restores exactly the dequantized record
+        route_with_score(middle)
+        again, (k1, v1) = _record(layer, target)
+        assert torch.equal(again.k_codes, record.k_codes) and torch.equal(again.k_scale, record.k_scale)
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_prefill_scores_equal_eager_attention_column_sums(kv_heads):
+    """Eq. 1 at prefill: the score of a window is the eager-attention mass it receives, averaged over heads."""
+    model = tiny_model("llama", kv_heads)
+    prompt = random_prompt(4 + 24 * 8)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4), max_length=200)
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        model.set_attn_implementation("eager")
+        eager = model(prompt, output_attentions=True).attentions
+        model.set_attn_implementation("qevict")
+    for layer_idx, probs in enumerate(eager):  # (1, Hq, T, T)
+        per_key = probs[0].sum(dim=(0, 1)) / probs.shape[1]
+        expected = per_key[4:].reshape(24, 8).sum(dim=1)
+        got = cache.layers[layer_idx].scores[0]
+        torch.testing.assert_close(got[:24], expected.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_scores_accumulate_eager_attention_of_every_query():
+    """After prefill and two routing events in decode, scores are the column sums over all 212 query rows."""
+    model = tiny_model("qwen2", 2)
+    full = random_prompt(4 + 26 * 8)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4), max_length=212)
+    with torch.inference_mode():
+        model(full[:, :196], cache=cache)
+        for i in range(196, 212):
+            model(full[:, i:i + 1], cache=cache)
+        model.set_attn_implementation("eager")
+        eager = model(full, output_attentions=True).attentions
+        model.set_attn_implementation("qevict")
+    assert cache.layers[0].qbuf is None  # 16 tokens = two routing events: the buffer was consumed
+    for layer_idx, probs in enumerate(eager):
+        per_key = probs[0].sum(dim=(0, 1)) / probs.shape[1]
+        expected = per_key[4:].reshape(26, 8).sum(dim=1)
+        torch.testing.assert_close(cache.layers[layer_idx].scores[0, :26], expected.float(), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,75 @@
+"""End to end on the bundled SmolLM2-135M-Instruct (slow: loads the model)."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core.cli import encode_prompt
+
+pytestmark = pytest.mark.slow
+AUSTEN = Path(__file__).resolve().parents[1] / "bench" / "data" / "austen.txt"
+
+
+def passage_prompt(tokenizer, tokens: int) -> torch.Tensor:
+    text = AUSTEN.read_text()
+    ids = tokenizer(text).input_ids[:tokens]
+    passage = tokenizer.decode(ids)
+    return encode_prompt(tokenizer, f"Read this passage.\n\n{passage}\n\nSummarize the passage in three sentences.",
+                         raw=False)
+
+
+def test_full_budget_matches_dynamic_cache_on_smollm2(smollm2):
+    model, tok = smollm2
+    prompt = passage_prompt(tok, 300)
+    ref = model.generate(prompt, cache=DynamicCache(config=model.config), max_new_tokens=24, do_sample=False)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5), max_length=prompt.shape[1] + 24)
+    out = model.generate(prompt, cache=cache, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_budget_02_on_long_prompt_is_fluent(smollm2):
+    model, tok = smollm2
+    prompt = passage_prompt(tok, 1450)
+    assert 1400 < prompt.shape[1] < 1600
+    new = 80
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.2), max_length=prompt.shape[1] + new)
+    lane = Lane("qevict", cache)
+    for event in generate_lanes(model, tok, prompt, [lane], Sampling(max_new_tokens=new)):
+        if event.kind == "memory":
+            assert event.total_bytes <= cache.budget_bytes
+    words = lane.text.split()
+    assert len(words) >= 20, lane.text
+    four_grams = Counter(zip(words, words[1:], words[2:], words[3:]))
+    assert max(four_grams.values()) <= 2, f"repetition loop: {lane.text!r}"
+    assert len(set(words)) / len(words) > 0.4, lane.text
+    tiers = cache.tier_counts()[10]
+    assert tiers["full"] and tiers["quantized"] and tiers["evicted"]
+
+
+def test_cli_json_output_parses(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(AUSTEN.read_text()[:3000] + "\n\nWho is Mr. Bennet?")
+    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt-file", str(prompt),
+                           "--budget", "0.3", "--max-new-tokens", "12", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) >= {"text", "memory", "tiers", "events_summary"}
+    assert result["memory"]["total_bytes"] <= result["memory"]["budget_bytes"]
+    assert len(result["tiers"]) == 30 and result["events_summary"]["evictions"] > 0
+    assert result["text"].strip()
+
+
+def test_cli_reports_bad_budget_readably(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--budget", "0.2",
+                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2
+    assert "cannot hold the protected regions" in done.stderr
