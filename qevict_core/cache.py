@@ -92,6 +92,10 @@ class QEvictLayer(ReportingLayer):
     def attend(self, module, query, key, value, scaling, dropout):
         out = sdpa_with_positions(module, query, key, value, scaling, dropout)
         if self.owner.scorer.needs_attention:
+            window = self.owner.config.prefill_window
+            if window and query.shape[2] > window:  # a prompt: score with its observation window only
+                self.qbuf = None
+                query = query[:, :, -window:]
             self.qbuf = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
         if self.owner.schedule.routing_now:
             self._route(key, value, scaling)

@@ -25,6 +25,9 @@ class QEvictConfig:
     bits:         precision of the recoverable tier (2 or 4).
     scorer:       window ranking function (Appendix J): cumulative, decay, pnorm or keynorm.
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
+    prefill_window: a forward of more tokens than this (the prompt) scores windows with its last
+                  ``prefill_window`` queries only, an observation window as in SnapKV; 0 = every query (the
+                  literal sum of Eq. 1 over the prompt). See docs/engine.md for the measurement behind the default.
     decay:        λ of the ``decay`` scorer.
     p:            exponent of the ``pnorm`` scorer.
     record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
@@ -39,6 +42,7 @@ class QEvictConfig:
     bits: int = 2
     scorer: str = "cumulative"
     promotion: bool = True
+    prefill_window: int = 32
     decay: float = 0.99
     p: float = 3.0
     record_events: bool = True
@@ -56,6 +60,9 @@ class QEvictConfig:
             raise ValueError(f"recent must be an integer >= 0 (got {self.recent!r})")
         if not 0.0 <= self.q_frac <= 1.0:
             raise ValueError(f"q_frac must lie in [0, 1] (got {self.q_frac!r})")
+        if not (isinstance(self.prefill_window, int) and self.prefill_window >= 0):
+            raise ValueError(f"prefill_window must be an integer >= 0, 0 = every prompt query "
+                             f"(got {self.prefill_window!r})")
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS} (got {self.bits!r})")
         if self.scorer not in SCORERS:

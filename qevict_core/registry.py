@@ -1,4 +1,8 @@
-"""``make_cache(method, ...)``: every method the studio and the benchmarks can run, by name."""
+"""``make_cache(method, ...)``: every method the studio and the benchmarks can run, by name.
+
+All methods take the same ``QEvictConfig``; each reads what it needs (the budget always), so a comparison at one
+config is a comparison at the same ``budget_bytes``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ from typing import Callable
 from .cache import QEvictCache
 from .cache_base import ReportingCache
 from .config import QEvictConfig
+from .eviction import EvictionCache
 from .fullkv import FullKVCache
+from .kivi import KIVICache
+from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
 
 
 @dataclass(frozen=True)
@@ -16,19 +23,56 @@ class MethodSpec:
     build: Callable[..., ReportingCache]
     description: str
     reference: str
+    family: str  # "reference", "qevict", "eviction" or "quantization"
 
 
-def _qevict_variant(**overrides) -> Callable[..., ReportingCache]:
+def _qevict(name: str, **overrides) -> Callable[..., ReportingCache]:
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
-        return QEvictCache(model, config.replace(**overrides), max_length, batch_size)
+        cache = QEvictCache(model, config.replace(**overrides), max_length, batch_size)
+        cache.method = name
+        return cache
     return build
+
+
+def _evict(name: str, make_policy: Callable[[QEvictConfig], Policy]) -> Callable[..., ReportingCache]:
+    def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        return EvictionCache(model, config, max_length, batch_size, make_policy(config), name)
+    return build
+
+
+def _kivi(bits: int) -> Callable[..., ReportingCache]:
+    def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        return KIVICache(model, config, max_length, batch_size, bits=bits)
+    return build
+
+
+def _policy_spec(name: str, make_policy: Callable[[QEvictConfig], Policy], cls: type[Policy]) -> MethodSpec:
+    return MethodSpec(_evict(name, make_policy), cls.description, cls.reference, "eviction")
 
 
 METHODS: dict[str, MethodSpec] = {
     "fullkv": MethodSpec(FullKVCache, "Uncompressed cache: every token in full precision (the reference).",
-                         "transformers DynamicCache semantics"),
-    "qevict": MethodSpec(_qevict_variant(), "QEvict: windows routed by cumulative attention into full precision, "
-                         "a recoverable INT2/INT4 tier or eviction, with promotion.", "arXiv 2608.05326, Alg. 1"),
+                         "transformers DynamicCache semantics", "reference"),
+    "qevict": MethodSpec(_qevict("qevict"), "QEvict: windows routed by cumulative attention into full precision, a "
+                         "recoverable INT2/INT4 tier or eviction, with promotion.", "arXiv 2608.05326, Alg. 1",
+                         "qevict"),
+    "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", promotion=False), "QEvict one-way ablation: "
+                                 "Full -> Quantized -> Evicted, no promotion.", "arXiv 2608.05326, App. K", "qevict"),
+    "r1": MethodSpec(_qevict("r1", omega=1, q_frac=0.0), "R1: token-level eviction by cumulative attention "
+                     "(Ω = 1, no quantized tier).", "arXiv 2608.05326, App. I.1", "qevict"),
+    "r2": MethodSpec(_qevict("r2", q_frac=0.0), "R2: two-tier window eviction (Ω = 8, no quantized tier).",
+                     "arXiv 2608.05326, App. I.1", "qevict"),
+    "streamingllm": _policy_spec("streamingllm", lambda c: StreamingLLM(sinks=c.sinks), StreamingLLM),
+    "h2o": _policy_spec("h2o", lambda c: H2O(), H2O),
+    "snapkv": _policy_spec("snapkv", lambda c: SnapKV(), SnapKV),
+    "adakv": _policy_spec("adakv", lambda c: AdaKV(), AdaKV),
+    "criticalkv": _policy_spec("criticalkv", lambda c: CriticalKV(), CriticalKV),
+    "defensivekv": _policy_spec("defensivekv", lambda c: DefensiveKV(), DefensiveKV),
+    "layer_defensivekv": _policy_spec("layer_defensivekv", lambda c: LayerDefensiveKV(), LayerDefensiveKV),
+    "kivi2": MethodSpec(_kivi(2), "KIVI-2: every token kept, keys per-channel and values per-token in 2 bits, "
+                        "a 32-token fp residual.", "Liu et al. 2024; jy-yuan/KIVI (G=32, R=32)", "quantization"),
+    "kivi4": MethodSpec(_kivi(4), "KIVI-4: as KIVI-2 with 4-bit codes.", "Liu et al. 2024; jy-yuan/KIVI",
+                        "quantization"),
 }
 
 
@@ -36,11 +80,16 @@ def list_methods() -> dict[str, str]:
     return {name: spec.description for name, spec in METHODS.items()}
 
 
+def method_info(name: str) -> MethodSpec:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {sorted(METHODS)}")
+    return METHODS[name]
+
+
 def make_cache(method: str, model, config: QEvictConfig | None = None, max_length: int | None = None,
                batch_size: int = 1) -> ReportingCache:
     """A fresh cache of ``method`` for one generation of at most ``max_length`` tokens (prompt + new tokens)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known methods: {sorted(METHODS)}")
+    spec = method_info(method)
     if max_length is None or max_length < 1:
         raise ValueError(f"max_length must be given: prompt tokens + max new tokens (got {max_length!r})")
     if batch_size < 1:
@@ -48,4 +97,4 @@ def make_cache(method: str, model, config: QEvictConfig | None = None, max_lengt
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"only full-attention decoder layers are supported; this model has {sorted(set(layer_types))}")
-    return METHODS[method].build(model, config or QEvictConfig(), max_length, batch_size)
+    return spec.build(model, config or QEvictConfig(), max_length, batch_size)

@@ -16,33 +16,49 @@ CHUNK_ELEMENTS = 1 << 24
 CHUNK_QUERIES = 256
 
 
-def key_attention_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
-    """Sum over queries and query heads of softmax attention, divided by the number of query heads.
+def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor,
+                    key_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal softmax attention, float32: query (B, Hq, q, D), keys (B, Hkv, N, D) -> (B, Hkv, G, q, N).
 
-    query (B, Hq, q, D) post-RoPE; query_pos (q,); keys (B, Hkv, N, D) post-RoPE; key_pos (B, N).
-    Query head h reads KV head h // (Hq / Hkv), as transformers' ``repeat_kv`` does. Returns (B, N) float32.
+    Query head h reads KV head h // G (G = Hq / Hkv), as transformers' ``repeat_kv`` does. For short query
+    blocks (an observation window); longer ones go through :func:`kv_head_mass` in chunks.
     """
     b, hq, q, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     groups = hq // hkv
-    grouped = query.reshape(b, hkv, groups, q, d)  # (B, Hkv, G, q, D)
-    keys_t = keys.float().transpose(2, 3)  # (B, Hkv, D, N)
-    mass = torch.zeros(b, n, dtype=torch.float32, device=keys.device)
+    logits = torch.matmul(query.float().reshape(b, hkv, groups * q, d), keys.float().transpose(2, 3))
+    logits = logits.mul_(scaling).view(b, hkv, groups, q, n)  # (B, Hkv, G, q, N)
+    hidden = key_pos[:, None, None, None, :] > query_pos[None, None, None, :, None]
+    if hidden.any():
+        logits.masked_fill_(hidden, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def kv_head_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """Attention mass each key receives from every query of its KV group: (B, Hkv, N) float32.
+
+    query (B, Hq, q, D) post-RoPE; query_pos (q,); keys (B, Hkv, N, D) post-RoPE; key_pos (B, N).
+    """
+    b, hq, q, _ = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=keys.device)
     chunk = max(1, min(CHUNK_QUERIES, CHUNK_ELEMENTS // max(1, b * hq * n)))
     for start in range(0, q, chunk):
-        part = grouped[:, :, :, start:start + chunk].float()
-        c, q_pos = part.shape[3], query_pos[start:start + chunk]
+        q_pos = query_pos[start:start + chunk]
         # Keys after the last one any query of this chunk can see carry no mass: leave them out.
         seen_by_some = (key_pos <= q_pos.max()).any(dim=0)
         limit = int(seen_by_some.nonzero().max()) + 1 if seen_by_some.any() else 0
-        logits = torch.matmul(part.reshape(b, hkv, groups * c, d), keys_t[..., :limit])  # (B, Hkv, G*c, n')
-        logits = logits.mul_(scaling).view(b, hkv, groups, c, limit)
-        hidden = key_pos[:, None, None, None, :limit] > q_pos[None, None, None, :, None]
-        if hidden.any():
-            logits.masked_fill_(hidden, float("-inf"))
-        mass[:, :limit] += torch.softmax(logits, dim=-1).sum(dim=(1, 2, 3))
-    return mass / hq
+        probs = attention_probs(query[:, :, start:start + chunk], q_pos, keys[:, :, :limit], key_pos[:, :limit],
+                                scaling)
+        mass[:, :, :limit] += probs.sum(dim=(2, 3))
+    return mass
+
+
+def key_attention_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """Eq. 1's inner sum: attention over queries and query heads, divided by the number of query heads. (B, N)."""
+    return kv_head_mass(query, query_pos, keys, key_pos, scaling).sum(dim=1) / query.shape[1]
 
 
 def window_mass(key_mass: torch.Tensor, key_window: torch.Tensor, num_windows: int) -> torch.Tensor:

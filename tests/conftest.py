@@ -23,7 +23,7 @@ FAMILIES = {
 def tiny_model(family: str = "llama", kv_heads: int = 2, seed: int = 0, **overrides):
     config_cls, model_cls = FAMILIES[family]
     extra = {"sliding_window": None} if family == "mistral" else {}
-    config = config_cls(**TINY, num_key_value_heads=kv_heads, **extra, **overrides)
+    config = config_cls(**{**TINY, **extra, **overrides}, num_key_value_heads=kv_heads)
     torch.manual_seed(seed)
     model = model_cls(config)
     # Random init gives near-uniform attention; a larger query/key scale makes it peaked like a trained model's.

@@ -15,10 +15,11 @@ def resident_tensors(layer) -> list[torch.Tensor]:
     for name, value in vars(layer).items():
         if name in ("owner", "_returned_keys"):
             continue
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, WindowLedger):
-            found.extend(v for v in vars(value).values() if isinstance(v, torch.Tensor))
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, WindowLedger):
+                found.extend(v for v in vars(item).values() if isinstance(v, torch.Tensor))
     return found
 
 

@@ -19,7 +19,8 @@ class Driver:
 
     def __init__(self, promotion=True, k_full=3, k_quant=5):
         self.model = tiny_model("llama", 2)
-        config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, promotion=promotion)
+        config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, promotion=promotion,
+                              prefill_window=0)
         self.cache = make_cache("qevict", self.model, config, max_length=400)
         self.cache.plan = dataclasses.replace(self.cache.plan, k_full=k_full, k_quant=k_quant,
                                               keeps_dormant=promotion)
@@ -124,7 +125,8 @@ def test_prefill_scores_equal_eager_attention_column_sums(kv_heads):
     """Eq. 1 at prefill: the score of a window is the eager-attention mass it receives, averaged over heads."""
     model = tiny_model("llama", kv_heads)
     prompt = random_prompt(4 + 24 * 8)
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4), max_length=200)
+    config = QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=0)
+    cache = make_cache("qevict", model, config, max_length=200)
     with torch.inference_mode():
         model(prompt, cache=cache)
         model.set_attn_implementation("eager")
@@ -141,7 +143,8 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
     """After prefill and two routing events in decode, scores are the column sums over all 212 query rows."""
     model = tiny_model("qwen2", 2)
     full = random_prompt(4 + 26 * 8)
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4), max_length=212)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=0),
+                       max_length=212)
     with torch.inference_mode():
         model(full[:, :196], cache=cache)
         for i in range(196, 212):
@@ -154,3 +157,19 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
         per_key = probs[0].sum(dim=(0, 1)) / probs.shape[1]
         expected = per_key[4:].reshape(26, 8).sum(dim=1)
         torch.testing.assert_close(cache.layers[layer_idx].scores[0, :26], expected.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_observation_window_scores_only_the_last_prompt_queries():
+    model = tiny_model("llama", 2)
+    prompt = random_prompt(4 + 24 * 8)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=16),
+                       max_length=200)
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        model.set_attn_implementation("eager")
+        eager = model(prompt, output_attentions=True).attentions
+        model.set_attn_implementation("qevict")
+    for layer_idx, probs in enumerate(eager):
+        per_key = probs[0, :, -16:].sum(dim=(0, 1)) / probs.shape[1]
+        expected = per_key[4:].reshape(24, 8).sum(dim=1)
+        torch.testing.assert_close(cache.layers[layer_idx].scores[0, :24], expected.float(), rtol=1e-4, atol=1e-4)

@@ -73,3 +73,39 @@ def test_cli_reports_bad_budget_readably(tmp_path):
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2
     assert "cannot hold the protected regions" in done.stderr
+
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def needle_prompt(tokenizer, seed: int, tokens: int = 2000):
+    """A RULER niah_single_1-style prompt: noise haystack, a 7-digit needle at half depth, the answer prefix."""
+    import random
+
+    rng = random.Random(seed)
+    key, value = rng.choice(["apple", "river", "lantern", "violet", "harbor", "falcon"]), str(rng.randint(10**6, 10**7 - 1))
+    haystack = [NOISE] * (tokens // 23)
+    haystack.insert(len(haystack) // 2, f"One of the special magic numbers for {key} is: {value}.")
+    question = (f"Some special magic numbers are hidden within the following text. Make sure to memorize it. I will "
+                f"quiz you about the numbers afterwards.\n{' '.join(haystack)}\nWhat are all the special magic numbers "
+                f"for {key} mentioned in the provided text?")
+    ids = encode_prompt(tokenizer, question, raw=False)
+    prefix = tokenizer(f" The special magic numbers for {key} mentioned in the provided text are",
+                       add_special_tokens=False, return_tensors="pt").input_ids
+    return torch.cat([ids, prefix], dim=1), value
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_needle_in_the_middle_survives_qevict_not_streamingllm(smollm2, seed):
+    model, tok = smollm2
+    prompt, value = needle_prompt(tok, seed)
+    assert 2000 < prompt.shape[1] < 2300
+    answers = {}
+    for method in ("fullkv", "qevict", "streamingllm"):
+        cache = make_cache(method, model, QEvictConfig(budget=0.2), max_length=prompt.shape[1] + 12)
+        lane = Lane(method, cache)
+        list(generate_lanes(model, tok, prompt, [lane], Sampling(max_new_tokens=12)))
+        answers[method] = lane.text
+    assert value in answers["fullkv"], answers
+    assert value in answers["qevict"], answers
+    assert value not in answers["streamingllm"], answers
