@@ -108,8 +108,8 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
         if all(lane.done for lane in lanes):
             break
     for lane in lanes:
-        yield DoneEvent(lane=lane.name, step=len(lane.tokens), reason=lane.done or "stopped", text=lane.text,
-                        tokens=len(lane.tokens), prefill_seconds=lane.prefill_seconds,
+        yield DoneEvent(lane=lane.name, step=max(len(lane.tokens) - 1, 0), reason=lane.done or "stopped",
+                        text=lane.text, tokens=len(lane.tokens), prefill_seconds=lane.prefill_seconds,
                         decode_seconds=lane.decode_seconds, summary=lane.cache.summary())
 
 

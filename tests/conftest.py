@@ -53,3 +53,25 @@ def smollm2():
 def random_prompt(length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, length), generator=generator)
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + 2 chat specials) built in memory, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
+def tiny_chat_model(**overrides):
+    """A tiny random Llama whose vocabulary matches :func:`tiny_tokenizer` (for studio tests)."""
+    return tiny_model("llama", 2, vocab_size=258, num_hidden_layers=3, **overrides)

@@ -1,0 +1,78 @@
+"""Engines and the schema: a session row per run, one event row per streamed event."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, String, Text, create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import StaticPool
+
+DEFAULT_URL = "sqlite:///data/qevict.sqlite"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    delete_token_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    status: Mapped[str] = mapped_column(String(16))  # running, done, stopped, error
+    title: Mapped[str] = mapped_column(String(200))
+    prompt: Mapped[str] = mapped_column(Text)
+    request: Mapped[dict[str, Any]]
+    summary: Mapped[dict[str, Any]]
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_session_step", "session_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    lane: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[dict[str, Any]]
+
+
+def make_engine(url: str | None = None) -> Engine:
+    """``url`` or $DATABASE_URL or a SQLite file under data/; tables are created if missing."""
+    url = url or os.environ.get("DATABASE_URL") or DEFAULT_URL
+    if url.startswith("postgres://"):  # Heroku-style URLs; SQLAlchemy wants the driver named
+        url = "postgresql+psycopg://" + url[len("postgres://"):]
+    kwargs: dict = {}
+    if url.startswith("sqlite"):
+        if url in ("sqlite://", "sqlite:///:memory:"):
+            # Gradio runs handlers in threads: one shared in-memory connection, not one empty DB per thread.
+            kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        else:
+            path = url.split("///", 1)[-1]
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            kwargs = {"connect_args": {"check_same_thread": False}}
+    engine = create_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        event.listen(engine, "connect", _sqlite_pragmas)
+    Base.metadata.create_all(engine)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()

@@ -1,0 +1,1 @@
+"""The QEvict studio: Gradio Blocks built from pure handler functions and plot builders."""

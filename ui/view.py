@@ -1,0 +1,116 @@
+"""What a run looks like at some step, rebuilt from its event stream.
+
+Live runs and replays feed the same ``RunView`` with the same event dicts (the ones storage keeps), so a replay
+redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` turns it into figures/HTML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LaneView:
+    name: str
+    method: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    total_bytes: int = 0
+    fullkv_bytes: int = 0
+    budget_bytes: int | None = None
+    peak_bytes: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    done: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decoded = len(self.tokens) - 1
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.total_bytes / self.fullkv_bytes if self.fullkv_bytes else 0.0
+
+
+class RunView:
+    """Lanes, their texts and stats, and per lane and layer the routing events seen so far."""
+
+    def __init__(self, request: dict[str, Any]):
+        self.request = request
+        self.lanes = {lane["name"]: LaneView(lane["name"], lane["method"]) for lane in request["lanes"]}
+        self.routing: dict[str, dict[int, list[dict]]] = {name: {} for name in self.lanes}
+        self.step = -1
+
+    @property
+    def sinks(self) -> int:
+        return int(self.request["config"]["sinks"])
+
+    @property
+    def omega(self) -> int:
+        return int(self.request["config"]["omega"])
+
+    def apply(self, event: dict[str, Any]) -> bool:
+        """Fold one event in; True when it changes the routing figures."""
+        lane = self.lanes[event["lane"]]
+        kind = event["kind"]
+        self.step = max(self.step, int(event.get("step", 0)))
+        if kind == "token":
+            lane.tokens.append(event["token_id"])
+            lane.text += event["text"]
+            if len(lane.tokens) == 1:
+                lane.prefill_seconds = event["seconds"]
+            else:
+                lane.decode_seconds += event["seconds"]
+        elif kind == "memory":
+            lane.total_bytes, lane.fullkv_bytes = event["total_bytes"], event["fullkv_bytes"]
+            lane.budget_bytes, lane.peak_bytes = event["budget_bytes"], event["peak_bytes"]
+        elif kind == "routing":
+            self.routing[lane.name].setdefault(event["layer"], []).append(event)
+            lane.promotions += len(event["promoted"])
+            lane.demotions += len(event["demoted"])
+            lane.evictions += len(event["evicted"])
+            return True
+        elif kind == "done":
+            lane.done, lane.summary, lane.text = event["reason"], event.get("summary") or {}, event["text"]
+        return False
+
+    def routed_lanes(self) -> list[str]:
+        return [name for name, layers in self.routing.items() if layers]
+
+    def layer_events(self, lane: str, layer: int) -> list[dict]:
+        return self.routing.get(lane, {}).get(layer, [])
+
+    def agreement(self) -> dict[str, tuple[float, int]]:
+        """Per lane: (fraction of positions equal to FullKV's tokens, identical prefix length)."""
+        reference = next((lane for lane in self.lanes.values() if lane.method == "fullkv"), None)
+        if reference is None:
+            return {}
+        out = {}
+        for lane in self.lanes.values():
+            n = min(len(lane.tokens), len(reference.tokens))
+            if lane is reference or n == 0:
+                continue
+            same = [a == b for a, b in zip(lane.tokens, reference.tokens)]
+            prefix = same.index(False) if False in same else n
+            out[lane.name] = (sum(same) / n, prefix)
+        return out
+
+
+def window_tier(event: dict, window: int, sinks: int, omega: int) -> str | None:
+    """Tier of ``window`` after ``event`` (None: not created yet)."""
+    start = sinks + window * omega
+    if start >= event["seen"]:
+        return None
+    if start >= event["recent_start"]:
+        return "recent"
+    if window in event["full"]:
+        return "full"
+    if window in event["quantized"]:
+        return "quantized"
+    return "evicted"
