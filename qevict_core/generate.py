@@ -16,6 +16,7 @@ import torch
 
 from .cache_base import ReportingCache
 from .events import DoneEvent, MemoryEvent, TokenEvent
+from .shared_prefill import shared_prefill
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,12 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
-                   should_stop: Callable[[], bool] | None = None) -> Iterator:
-    """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches."""
+                   should_stop: Callable[[], bool] | None = None, share_prefill: bool = True) -> Iterator:
+    """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches.
+
+    With ``share_prefill`` the lanes' prefills run as one forward (see ``shared_prefill``); each lane then
+    reports that forward's time as its prefill time. Benchmarks of time to first token turn it off.
+    """
     stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -79,32 +84,42 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                              f"= {needed}")
         if sampling.temperature > 0:
             lane.generator = torch.Generator().manual_seed(sampling.seed)
+
+    def forward(caches, feed):
+        started = time.perf_counter()
+        if len(caches) > 1:
+            logits = shared_prefill(model, feed, caches)
+        else:
+            with torch.inference_mode():
+                logits = model(input_ids=feed, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
+        return logits[0], time.perf_counter() - started
+
     for step in range(sampling.max_new_tokens):
-        for lane in lanes:
-            if lane.done:
-                continue
-            if should_stop is not None and should_stop():
+        active = [lane for lane in lanes if not lane.done]
+        if should_stop is not None and should_stop():
+            for lane in active:
                 lane.done = "stopped"
-                continue
-            feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]]], device=device)
+            break
+        groups = [active] if step == 0 and share_prefill else [[lane] for lane in active]
+        for group in groups:
+            feed = input_ids if step == 0 else torch.tensor([[group[0].tokens[-1]]], device=device)
             try:
-                started = time.perf_counter()
-                with torch.inference_mode():
-                    logits = model(input_ids=feed, cache=lane.cache, use_cache=True, logits_to_keep=1).logits
-                token = next_token(logits[0, -1], sampling, lane.generator)
-                seconds = time.perf_counter() - started
+                logits, seconds = forward([lane.cache for lane in group], feed)
             except Exception as err:  # one failing lane must not take the others down
-                lane.done = f"error: {err}"
+                for lane in group:
+                    lane.done = f"error: {err}"
                 continue
-            if step == 0:
-                lane.prefill_seconds = seconds
-            else:
-                lane.decode_seconds += seconds
-            yield from _lane_events(lane, step, token, seconds, tokenizer)
-            if token in stop_ids:
-                lane.done = "eos"
-            elif step + 1 == sampling.max_new_tokens:
-                lane.done = "length"
+            for lane in group:
+                token = next_token(logits, sampling, lane.generator)
+                if step == 0:
+                    lane.prefill_seconds = seconds
+                else:
+                    lane.decode_seconds += seconds
+                yield from _lane_events(lane, step, token, seconds, tokenizer)
+                if token in stop_ids:
+                    lane.done = "eos"
+                elif step + 1 == sampling.max_new_tokens:
+                    lane.done = "length"
         if all(lane.done for lane in lanes):
             break
     for lane in lanes:

@@ -37,8 +37,13 @@ class KIVILayer(ReportingLayer):
         self._check_length(key_states.shape[2])
         self.seen += key_states.shape[2]
         bits, residual, g, gv = self.owner.bits, self.owner.residual, self.owner.group, self.value_group
+        # Attention sees what was stored before this call plus this call's tokens in full precision (as the
+        # official code and transformers' QuantizedCache do: a prompt is attended unquantized).
+        past_keys, past_values = self._dequantized()
         self.k_res = torch.cat([self.k_res, key_states], dim=2)
         self.v_res = torch.cat([self.v_res, value_states], dim=2)
+        keys = torch.cat([past_keys, self.k_res], dim=2)
+        values = torch.cat([past_values, self.v_res], dim=2)
         full_blocks = self.k_res.shape[2] // residual * residual
         if full_blocks:
             block, self.k_res = self.k_res[:, :, :full_blocks], self.k_res[:, :, full_blocks:]
@@ -55,8 +60,7 @@ class KIVILayer(ReportingLayer):
             self.v_codes = torch.cat([self.v_codes, pack(codes.reshape(b, h, t, d), bits)], dim=2)
             self.v_scale = torch.cat([self.v_scale, scale.squeeze(4)], dim=2)
             self.v_min = torch.cat([self.v_min, lo.squeeze(4)], dim=2)
-        keys, values = self._dequantized()
-        return self.returning(torch.cat([keys, self.k_res], dim=2), torch.cat([values, self.v_res], dim=2))
+        return self.returning(keys, values)
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, t, _ = self.k_codes.shape

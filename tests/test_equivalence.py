@@ -75,3 +75,20 @@ def test_multi_token_chunk_after_eviction_stays_causal():
         apart = torch.cat([model(chunk[:, i:i + 1], cache=many).logits[0] for i in range(5)])
     torch.testing.assert_close(together, apart, rtol=1e-4, atol=1e-4)
     assert one.get_seq_length() == many.get_seq_length() == 245
+
+
+def test_shared_prefill_gives_each_lane_its_solo_result():
+    """One prefill forward fanned out to six caches = six separate prefills, token for token."""
+    model = tiny_model("llama", 2)
+    prompt = random_prompt(500)
+    methods = ["fullkv", "qevict", "snapkv", "h2o", "kivi2", "layer_defensivekv"]
+    config = QEvictConfig(budget=0.2)
+
+    def run(share):
+        lanes = [Lane(m, make_cache(m, model, config, max_length=500 + 20)) for m in methods]
+        list(generate_lanes(model, _Tok(), prompt, lanes, Sampling(max_new_tokens=20), share_prefill=share))
+        return {lane.name: (lane.tokens, lane.cache.memory_report()["total_bytes"]) for lane in lanes}
+
+    shared, solo = run(True), run(False)
+    assert shared == solo
+    assert len({tuple(tokens) for tokens, _ in shared.values()}) > 1  # the methods really differ

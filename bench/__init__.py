@@ -1,0 +1,1 @@
+"""Reproducible benchmarks: RULER-style retrieval, fidelity to FullKV, attention-drift diagnostics, speed."""

@@ -1,0 +1,90 @@
+"""What every benchmark script shares: model and thread setup, run metadata, JSONL files, sharding."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def setup(model_name: str | None, device: str | None, threads: int | None, dtype: str | None = None):
+    """Pin threads (shared machines are noisy: say how many), load the model; -> (model, tokenizer, meta).
+
+    ``model_name="tiny"`` is a tiny random model with a byte tokenizer, for smoke runs in CI.
+    """
+    from qevict_core import load_model
+    from qevict_core.testing import tiny_chat_model, tiny_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    if model_name == "tiny":
+        model, tokenizer = tiny_chat_model(max_position_embeddings=16384), tiny_tokenizer()
+    else:
+        model, tokenizer = load_model(model_name, device=device, dtype=dtype)
+    meta = run_metadata(model_name or "SmolLM2-135M-Instruct", str(next(model.parameters()).device))
+    return model, tokenizer, meta
+
+
+def run_metadata(model_name: str, device: str) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
+    return {"model": model_name, "device": device, "gpu": gpu, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "commit": commit, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+
+
+def read_jsonl(paths) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as handle:
+            rows.extend(json.loads(line) for line in handle if line.strip())
+    return rows
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """``i/n`` from the flag, else RANK/WORLD_SIZE from torchrun or accelerate, else 0/1."""
+    if text:
+        index, _, count = text.partition("/")
+        shard = (int(index), int(count or 1))
+    else:
+        shard = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+    if not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"shard must be i/n with 0 <= i < n (got {shard[0]}/{shard[1]})")
+    return shard
+
+
+def default_device() -> str | None:
+    """Under a multi-GPU launcher each process takes its own GPU."""
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return None
+
+
+def method_lanes(methods: list[str], budgets: list[float]) -> list[tuple[str, float | None]]:
+    """(method, budget) cells: methods without a byte budget (fullkv, KIVI) run once."""
+    from qevict_core.registry import METHODS, method_info
+
+    cells = []
+    for method in methods:
+        method_info(method)  # unknown names fail here, with the list of known ones
+        budgeted = METHODS[method].family in ("qevict", "eviction")
+        cells += [(method, b) for b in budgets] if budgeted else [(method, None)]
+    return cells

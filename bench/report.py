@@ -1,0 +1,115 @@
+"""Tables and plots from benchmark JSONL: markdown tables, Pareto plots (PNG + interactive HTML), the FMM curve and
+the tier-mass chart. ``python -m bench.report`` re-renders everything under bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import plotly.graph_objects as go  # noqa: E402
+
+from .common import RESULTS, read_jsonl  # noqa: E402
+
+COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
+          "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",
+          "kivi2": "#ca8a04", "kivi4": "#a16207", "qevict_nopromo": "#65a30d", "r1": "#f97316", "r2": "#fb923c"}
+
+
+def label(method: str, budget) -> str:
+    return method if budget is None else f"{method} @{budget:.0%}"
+
+
+def ruler_report(rows: list[dict], out: Path) -> Path:
+    cells = defaultdict(list)
+    for r in rows:
+        cells[(r["method"], r["budget"], r["task"], r["length"])].append(r)
+    columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
+    header = ["method", "KV ratio (measured)"] + [f"{t} {n // 1024}K" for t, n in columns] + ["avg", "n"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    points = []
+    for method, budget in lanes:
+        scores, ratios, counts = [], [], []
+        for task, length in columns:
+            group = cells.get((method, budget, task, length), [])
+            scores.append(100 * mean(r["score"] for r in group) if group else None)
+            ratios += [r["kv_ratio"] for r in group]
+            counts.append(len(group))
+        valid = [s for s in scores if s is not None]
+        avg = mean(valid) if valid else None
+        ratio = mean(ratios) if ratios else float("nan")
+        points.append((method, budget, ratio, avg))
+        lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}"]
+                                       + [f"{s:.1f}" if s is not None else "—" for s in scores]
+                                       + [f"{avg:.1f}" if avg is not None else "—", str(min(counts))]) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "ruler_table.md"
+    table.write_text("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
+                     "the end of generation; n: samples per cell (minimum over columns).\n\n" + "\n".join(lines) + "\n")
+    pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
+    return table
+
+
+def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
+    """Score against measured KV ratio, one line per method across budgets (PNG and interactive HTML)."""
+    by_method = defaultdict(list)
+    for method, budget, ratio, score in points:
+        if score is not None:
+            by_method[method].append((ratio, score, budget))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    figure = go.Figure()
+    for method, pts in sorted(by_method.items()):
+        pts.sort()
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        color = COLORS.get(method, "#444444")
+        ax.plot(xs, ys, marker="o", label=method, color=color, linewidth=2.5 if method == "qevict" else 1.2)
+        figure.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=method, line={"color": color},
+                                    text=[f"budget {p[2]}" for p in pts]))
+    ax.set_xscale("log")
+    ax.set_xlabel("measured KV bytes / FullKV (log)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    figure.update_layout(title=title, xaxis={"title": "measured KV bytes / FullKV", "type": "log"},
+                         yaxis={"title": ylabel}, template="plotly_white")
+    figure.write_html(stem.with_suffix(".html"), include_plotlyjs="cdn")
+
+
+def fidelity_report(rows: list[dict], out: Path) -> Path:
+    header = ["method", "KV ratio", "mean KL(FullKV‖method)", "top-1 agreement", "perplexity", "FullKV perplexity"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ordered = sorted(rows, key=lambda r: (r["budget"] or 2, r["method"]))
+    for r in ordered:
+        lines.append(f"| {label(r['method'], r['budget'])} | {r['kv_ratio']:.3f} | {r['kl']:.4f} | "
+                     f"{r['top1']:.3f} | {r['ppl']:.2f} | {r['ppl_fullkv']:.2f} |")
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "fidelity_table.md"
+    table.write_text("\n".join(lines) + "\n")
+    pareto([(r["method"], r["budget"], r["kv_ratio"], r["top1"]) for r in rows],
+           "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement", out / "fidelity_pareto")
+    return table
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
+    parser.add_argument("--results", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    root = Path(args.results)
+    if list((root / "ruler").glob("ruler-*.jsonl")):
+        print(ruler_report(read_jsonl(sorted((root / "ruler").glob("ruler-*.jsonl"))), root / "ruler"))
+    if (root / "fidelity" / "fidelity.jsonl").exists():
+        print(fidelity_report(read_jsonl([root / "fidelity" / "fidelity.jsonl"]), root / "fidelity"))
+
+
+if __name__ == "__main__":
+    main()

