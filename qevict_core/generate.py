@@ -16,7 +16,7 @@ import torch
 
 from .cache_base import ReportingCache
 from .events import DoneEvent, MemoryEvent, TokenEvent
-from .shared_prefill import shared_prefill
+from .shared_prefill import forward_lanes
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,12 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
-                   should_stop: Callable[[], bool] | None = None, share_prefill: bool = True) -> Iterator:
+                   should_stop: Callable[[], bool] | None = None, together: bool = True) -> Iterator:
     """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches.
 
-    With ``share_prefill`` the lanes' prefills run as one forward (see ``shared_prefill``); each lane then
-    reports that forward's time as its prefill time. Benchmarks of time to first token turn it off.
+    With ``together`` the lanes share each forward (``shared_prefill.forward_lanes``): one prefill for all, then
+    one batched forward per step in which row i attends only to lane i's cache. Each lane reports that forward's
+    time, so per-lane speeds are those of the shared forward; speed benchmarks run lanes alone.
     """
     stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
     device = next(model.parameters()).device
@@ -85,32 +86,24 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
         if sampling.temperature > 0:
             lane.generator = torch.Generator().manual_seed(sampling.seed)
 
-    def forward(caches, feed):
-        started = time.perf_counter()
-        if len(caches) > 1:
-            logits = shared_prefill(model, feed, caches)
-        else:
-            with torch.inference_mode():
-                logits = model(input_ids=feed, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
-        return logits[0], time.perf_counter() - started
-
     for step in range(sampling.max_new_tokens):
         active = [lane for lane in lanes if not lane.done]
         if should_stop is not None and should_stop():
             for lane in active:
                 lane.done = "stopped"
             break
-        groups = [active] if step == 0 and share_prefill else [[lane] for lane in active]
-        for group in groups:
-            feed = input_ids if step == 0 else torch.tensor([[group[0].tokens[-1]]], device=device)
+        for group in [active] if together else [[lane] for lane in active]:
+            feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]] for lane in group], device=device)
             try:
-                logits, seconds = forward([lane.cache for lane in group], feed)
-            except Exception as err:  # one failing lane must not take the others down
+                started = time.perf_counter()
+                logits = forward_lanes(model, feed, [lane.cache for lane in group])
+                seconds = time.perf_counter() - started
+            except Exception as err:  # end the lanes of this forward, keep what they generated
                 for lane in group:
                     lane.done = f"error: {err}"
                 continue
-            for lane in group:
-                token = next_token(logits, sampling, lane.generator)
+            for lane, row in zip(group, logits):
+                token = next_token(row, sampling, lane.generator)
                 if step == 0:
                     lane.prefill_seconds = seconds
                 else:

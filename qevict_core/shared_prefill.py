@@ -1,10 +1,12 @@
-"""One prefill forward for several caches.
+"""Several caches in one forward: lanes share the model's matrix work.
 
-Every method attends to the whole prompt during prefill and compresses only after a layer's attention, so the
-hidden states of a prefill are the same whichever cache is in use. ``SharedPrefill`` runs the model once and fans
-each layer's keys, values and queries out to every cache, which then compresses in its own way: N lanes cost one
-forward plus N attention passes instead of N forwards. The next layer's input is the first cache's attention
-output; the others' are equal up to float summation order.
+Prefill: every method attends to the whole prompt and compresses only after a layer's attention, so a prefill's
+hidden states are the same whichever cache is in use. One forward fans each layer's keys, values and queries out
+to every cache, which then compresses in its own way: N lanes cost one forward plus N attention passes. The next
+layer's input is the first cache's attention output; the others' are equal up to float summation order.
+
+Decode: lanes are batch rows. Row i's keys and values go to cache i and row i attends only to cache i, so each lane
+decodes exactly as alone while the projections and MLPs run once for the whole batch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from .cache_base import ReportingCache
 class _FanOut:
     """Stands in as ``module.qevict_layer`` for one layer: runs every cache's attention on its own keys."""
 
-    def __init__(self, layers, returned):
-        self.layers, self.returned = layers, returned
+    def __init__(self, layers, returned, broadcast: bool):
+        self.layers, self.returned, self.broadcast = layers, returned, broadcast
         self._keys = returned[0][0]
 
     def claim(self, keys: torch.Tensor) -> bool:
@@ -28,29 +30,47 @@ class _FanOut:
 
     def attend(self, module, query, key, value, scaling, dropout):
         outputs = []
-        for layer, (keys, values) in zip(self.layers, self.returned):
+        for row, (layer, (keys, values)) in enumerate(zip(self.layers, self.returned)):
             layer.claim(keys)
-            outputs.append(layer.attend(module, query, keys, values, scaling, dropout))
-        return outputs[0]
+            rows = query if self.broadcast else query[row:row + 1]
+            outputs.append(layer.attend(module, rows, keys, values, scaling, dropout))
+        return outputs[0] if self.broadcast else torch.cat(outputs, dim=0)
 
 
-class SharedPrefill(Cache):
+class LaneBatch(Cache):
+    """Caches of batch size 1 driven together: a batch-1 input is shared by all, a batch-N input is split by row."""
+
     def __init__(self, caches: list[ReportingCache]):
         super().__init__(layers=caches[0].layers)
         self.caches = caches
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        returned = [cache.update(key_states, value_states, layer_idx) for cache in self.caches]
+        broadcast = key_states.shape[0] == 1
+        if not broadcast and key_states.shape[0] != len(self.caches):
+            raise ValueError(f"batch of {key_states.shape[0]} rows for {len(self.caches)} lanes")
+        returned = [cache.update(key_states if broadcast else key_states[i:i + 1],
+                                 value_states if broadcast else value_states[i:i + 1], layer_idx)
+                    for i, cache in enumerate(self.caches)]
         module = self.caches[0]._attention_modules[layer_idx]
-        module.qevict_layer = _FanOut([cache.layers[layer_idx] for cache in self.caches], returned)
+        module.qevict_layer = _FanOut([cache.layers[layer_idx] for cache in self.caches], returned, broadcast)
         return returned[0]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.caches[0].get_seq_length(layer_idx)
+        lengths = {cache.get_seq_length(layer_idx) for cache in self.caches}
+        if len(lengths) != 1:
+            raise ValueError(f"lanes have seen different numbers of tokens: {sorted(lengths)}")
+        return lengths.pop()
+
+
+def forward_lanes(model, input_ids: torch.Tensor, caches: list[ReportingCache]) -> torch.Tensor:
+    """One forward for all caches; ``input_ids`` (1, T) is shared, (N, 1) gives row i to cache i.
+    Returns the last position's logits, one row per cache."""
+    cache = caches[0] if len(caches) == 1 else LaneBatch(caches)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return logits.expand(len(caches), -1) if logits.shape[0] == 1 else logits
 
 
 def shared_prefill(model, input_ids: torch.Tensor, caches: list[ReportingCache]) -> torch.Tensor:
-    """Prefill every (fresh) cache with ``input_ids`` in one forward; returns the last position's logits."""
-    cache = caches[0] if len(caches) == 1 else SharedPrefill(caches)
-    with torch.inference_mode():
-        return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    """Prefill every (fresh) cache with ``input_ids`` (1, T) in one forward; returns (1, vocab) logits."""
+    return forward_lanes(model, input_ids, caches)[:1]

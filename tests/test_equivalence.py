@@ -77,8 +77,8 @@ def test_multi_token_chunk_after_eviction_stays_causal():
     assert one.get_seq_length() == many.get_seq_length() == 245
 
 
-def test_shared_prefill_gives_each_lane_its_solo_result():
-    """One prefill forward fanned out to six caches = six separate prefills, token for token."""
+def test_lanes_together_give_each_lane_its_solo_result():
+    """One prefill fanned out to six caches, then one batched forward per step = six separate runs."""
     model = tiny_model("llama", 2)
     prompt = random_prompt(500)
     methods = ["fullkv", "qevict", "snapkv", "h2o", "kivi2", "layer_defensivekv"]
@@ -86,7 +86,7 @@ def test_shared_prefill_gives_each_lane_its_solo_result():
 
     def run(share):
         lanes = [Lane(m, make_cache(m, model, config, max_length=500 + 20)) for m in methods]
-        list(generate_lanes(model, _Tok(), prompt, lanes, Sampling(max_new_tokens=20), share_prefill=share))
+        list(generate_lanes(model, _Tok(), prompt, lanes, Sampling(max_new_tokens=20), together=share))
         return {lane.name: (lane.tokens, lane.cache.memory_report()["total_bytes"]) for lane in lanes}
 
     shared, solo = run(True), run(False)

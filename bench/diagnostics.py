@@ -1,0 +1,211 @@
+"""Attention-drift diagnostics for the paper's R0-R4 conditions (Appendix I.1).
+
+    python -m bench.diagnostics --prefill 512 --generate 256 --budget 0.2 --articles 2 --out bench/results/diagnostics
+
+R0 is FullKV: it generates the tokens and, run again with eager attention, gives the reference traces. R1 (token
+eviction, Ω=1), R2 (two-tier windows, Ω=8), R3 (three-tier, Ω=8) and R4 (three-tier, Ω=32) are replayed
+teacher-forced over the same tokens, recording their routing events; qevict_core.diagnostics scores them.
+Scores use the literal Eq. 1 at prefill (prefill_window=0) so that the policy's and FullKV's scores are the same sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import mean
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import plotly.graph_objects as go  # noqa: E402
+import torch  # noqa: E402
+
+from qevict_core import QEvictConfig, make_cache  # noqa: E402
+from qevict_core import diagnostics as dg  # noqa: E402
+
+from .common import RESULTS, setup  # noqa: E402
+from .ruler_tasks import essay_sentences  # noqa: E402
+
+CONDITIONS = {"R1": ("r1", {}), "R2": ("r2", {}), "R3": ("qevict", {"omega": 8}), "R4": ("qevict", {"omega": 32})}
+
+
+def article(tokenizer, index: int, tokens: int) -> torch.Tensor:
+    sentences = essay_sentences("austen")
+    start = (index * 997) % max(1, len(sentences) - 400)
+    ids = tokenizer(" ".join(sentences[start:start + 400]), return_tensors="pt").input_ids[:, :tokens]
+    if ids.shape[1] < tokens:
+        raise ValueError(f"article {index} has only {ids.shape[1]} tokens")
+    return ids
+
+
+def generate_reference(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    cache = make_cache("fullkv", model, None, max_length=prompt.shape[1] + new)
+    with torch.inference_mode():
+        out = model.generate(prompt, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[:, :prompt.shape[1] + new]
+
+
+def replay(model, sequence: torch.Tensor, prompt_len: int, method: str, config: QEvictConfig):
+    cache = make_cache(method, model, config, max_length=sequence.shape[1])
+    with torch.inference_mode():
+        model(sequence[:, :prompt_len], cache=cache)
+        for i in range(prompt_len, sequence.shape[1]):
+            model(sequence[:, i:i + 1], cache=cache)
+    by_layer: dict[int, list[dict]] = {}
+    for event in cache.events:
+        by_layer.setdefault(event.layer, []).append(event.to_dict())
+    return cache, by_layer
+
+
+def evaluate(traces, cache, by_layer, prompt_len: int, horizon: int, lag: int, m: int) -> dict:
+    sinks, omega = cache.config.sinks, cache.config.omega
+    windows, k_full = cache.plan.num_windows, cache.plan.k_full
+    per_layer = []
+    for layer, events in sorted(by_layer.items()):
+        trace = traces[layer]
+        decode_events = [e for e in events if e["seen"] >= prompt_len]
+        fmm = dg.future_missed_mass(trace, decode_events, prompt_len, sinks, omega, horizon)
+        fmm_fp = dg.future_missed_mass(trace, decode_events, prompt_len, sinks, omega, horizon, include_quantized=False)
+        qsa, r_q = dg.quantized_score_agreement(trace, decode_events, prompt_len, sinks, omega, windows)
+        policy = dg.membership(decode_events, [set(e["full"]) for e in decode_events], sinks, omega)
+        oracle = dg.membership(decode_events, dg.oracle_selection(trace, decode_events, prompt_len, sinks, omega,
+                                                                  windows, k_full), sinks, omega)
+        per_layer.append({
+            "fmm": fmm, "fmm_fp": fmm_fp, "churn": dg.selection_churn(decode_events, sinks, omega),
+            "tier_mass": dg.tier_mass(trace, decode_events, prompt_len, sinks, omega, windows),
+            "qsa": qsa, "r_q": r_q, "lir_policy": dg.global_lir(policy, m), "lir_oracle": dg.global_lir(oracle, m),
+            "lagged": dg.lagged_transitions(policy, lag)})
+    return per_layer
+
+
+def aggregate(layers: list[dict]) -> dict:
+    def avg(values):
+        values = [v for v in values if v is not None]
+        return mean(values) if values else None
+
+    steps = sorted({s for layer in layers for s, _ in layer["fmm"]})
+    curve = [(s, avg([dict(layer["fmm"]).get(s) for layer in layers])) for s in steps]
+    curve_fp = [(s, avg([dict(layer["fmm_fp"]).get(s) for layer in layers])) for s in steps]
+    lags = layers[0]["lagged"].keys() if layers else []
+    return {
+        "fmm": avg([v for layer in layers for _, v in layer["fmm"]]),
+        "fmm_fp_only": avg([v for layer in layers for _, v in layer["fmm_fp"]]),
+        "churn": avg([v for layer in layers for v in layer["churn"]]),
+        "tier_mass": {k: avg([layer["tier_mass"][k] for layer in layers]) for k in ("full", "quantized", "evicted",
+                                                                                   "local")},
+        "qsa": avg([v for layer in layers for v in layer["qsa"]]),
+        "r_q": avg([v for layer in layers for v in layer["r_q"]]),
+        "lir_policy": _pooled_lir([layer["lir_policy"] for layer in layers]),
+        "lir_oracle": _pooled_lir([layer["lir_oracle"] for layer in layers]),
+        "lagged": {lag: {k: avg([layer["lagged"][lag][k] for layer in layers]) for k in ("P01", "P10")}
+                   for lag in lags},
+        "fmm_curve": curve, "fmm_fp_curve": curve_fp,
+    }
+
+
+def _pooled_lir(results) -> dict:
+    eligible = sum(r[2] for r in results)
+    rescued = sum(round(r[0] * r[2]) for r in results)
+    medians = [r[1] for r in results if r[1] is not None]
+    return {"lir": rescued / eligible if eligible else 0.0, "eligible": eligible,
+            "median_return_events": mean(medians) if medians else None}
+
+
+def render(result: dict, out: Path) -> Path:
+    conds = result["conditions"]
+    lines = ["| condition | FMM (H=32) | FMM, quantized tier removed | churn | μ full | μ quantized | μ evicted | "
+             "μ local | QSA | R_Q | LIR policy | LIR oracle | P01(8) | P10(8) |", "|" + "---|" * 14]
+    for name, c in conds.items():
+        lagged8 = c["lagged"].get("8") or c["lagged"].get(8) or {}
+        cells = [c["fmm"], c["fmm_fp_only"], c["churn"], *(c["tier_mass"][k] for k in ("full", "quantized", "evicted",
+                 "local")), c["qsa"], c["r_q"], c["lir_policy"]["lir"], c["lir_oracle"]["lir"], lagged8.get("P01"),
+                 lagged8.get("P10")]
+        lines.append(f"| {name} ({c['method']}, Ω={c['omega']}, K_f={c['k_full']}, K_q={c['k_quant']}) | "
+                     + " | ".join("—" if v is None else f"{v:.4f}" for v in cells) + " |")
+    for name, reason in result.get("skipped", {}).items():
+        lines.append(f"\n{name} not run: {reason}")
+    table = out / "diagnostics_table.md"
+    table.write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    figure = go.Figure()
+    for name, c in conds.items():
+        xs, ys = zip(*c["fmm_curve"]) if c["fmm_curve"] else ((), ())
+        ax.plot(xs, ys, label=name)
+        figure.add_trace(go.Scatter(x=xs, y=ys, name=name))
+        if name == "R3" and c["fmm_fp_curve"]:
+            xs, ys = zip(*c["fmm_fp_curve"])
+            ax.plot(xs, ys, "--", label="R3, quantized tier inaccessible")
+            figure.add_trace(go.Scatter(x=xs, y=ys, name="R3, quantized tier inaccessible", line={"dash": "dash"}))
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("Future Missed Mass (H=32)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fmm_curve.png", dpi=120)
+    plt.close(fig)
+    figure.update_layout(xaxis={"title": "decode step"}, yaxis={"title": "FMM"}, template="plotly_white")
+    figure.write_html(out / "fmm_curve.html", include_plotlyjs="cdn")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tiers, colors = ["full", "quantized", "local", "evicted"], ["#16a34a", "#f59e0b", "#3b82f6", "#ef4444"]
+    names = list(conds)
+    left = [0.0] * len(names)
+    for tier, color in zip(tiers, colors):
+        values = [conds[n]["tier_mass"][tier] or 0 for n in names]
+        ax.barh(names, values, left=left, color=color, label=tier)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("share of FullKV attention mass")
+    ax.legend(fontsize=8, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    fig.savefig(out / "tier_mass.png", dpi=120)
+    plt.close(fig)
+    return table
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.diagnostics", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--generate", type=int, default=256)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--sinks", type=int, default=5)
+    parser.add_argument("--articles", type=int, default=2)
+    parser.add_argument("--horizon", type=int, default=32)
+    parser.add_argument("--out", default=str(RESULTS / "diagnostics"))
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    model, tokenizer, meta = setup(args.model, args.device, args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    collected: dict[str, list] = {name: [] for name in CONDITIONS}
+    plans, skipped = {}, {}
+    for index in range(args.articles):
+        prompt = article(tokenizer, index, args.prefill) if args.model != "tiny" else \
+            torch.randint(0, 256, (1, args.prefill), generator=torch.Generator().manual_seed(index))
+        sequence = generate_reference(model, prompt, args.generate)
+        traces = dg.reference_traces(model, sequence, args.prefill)
+        for name, (method, overrides) in CONDITIONS.items():
+            config = QEvictConfig(budget=args.budget, sinks=args.sinks, prefill_window=0, **overrides)
+            try:
+                cache, by_layer = replay(model, sequence, args.prefill, method, config)
+            except ValueError as err:  # e.g. Ω=32's protected regions do not fit a small budget
+                skipped[name] = str(err)
+                continue
+            plans[name] = (method, cache.config.omega, cache.plan.k_full, cache.plan.k_quant)
+            collected[name] += evaluate(traces, cache, by_layer, args.prefill, args.horizon, lag=8, m=3)
+    conditions = {}
+    for name, layers in collected.items():
+        if name not in plans:
+            continue
+        method, omega, k_full, k_quant = plans[name]
+        conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant, **aggregate(layers)}
+    result = {"meta": meta, "args": vars(args), "conditions": conditions, "skipped": skipped}
+    (out / "diagnostics.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {render(json.loads(json.dumps(result)), out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The paper's attention-drift diagnostics (Section 3, Appendix I), from FullKV attention traces.
+
+A policy's decisions come from its own routing events (``RoutingEvent`` dicts: what it kept at each event); the
+attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place that attention
+exists. Everything here is per layer, averaged over query heads (routing is shared by a layer's heads).
+
+- Future Missed Mass (Eq. 13): future FullKV attention (next H queries) on positions a policy has made
+  inaccessible, over the attention on all positions that existed at the event.
+- Selection Churn (Eq. 14): Jaccard distance between the historical positions retained at consecutive events,
+  over positions that were historical at the first of the two (the recent region excluded).
+- Tier mass μ(z) (Eq. 15): share of FullKV cumulative scores held by each tier.
+- QSA and R_Q (Eq. 16-17): agreement of the policy's own scores for its quantized windows with FullKV's.
+- Global LIR (Eq. 18) and lagged transitions P_ab(Δ) (Eq. 19) of full-tier membership, for the policy and for the
+  oracle top-K_f of FullKV's ranking. An inactive episode starts when a window leaves the set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+
+import torch
+
+
+@dataclass
+class LayerTrace:
+    """FullKV attention of one layer, averaged over query heads: ``decode`` (T_dec, T) rows of the generated tokens,
+    ``prefill_mass`` (T,) column sums of the prompt rows (for cumulative reference scores)."""
+
+    decode: torch.Tensor
+    prefill_mass: torch.Tensor
+
+
+def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[LayerTrace]:
+    """Eager attention of the uncompressed model over the whole sequence, kept per layer as head means."""
+    traces: list[LayerTrace] = []
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            attentions = model(input_ids, output_attentions=True).attentions
+        for probs in attentions:  # (1, Hq, T, T)
+            mean = probs[0].float().mean(dim=0)  # (T, T)
+            traces.append(LayerTrace(decode=mean[prompt_len:].clone(), prefill_mass=mean[:prompt_len].sum(0)))
+    finally:
+        model.set_attn_implementation(previous)
+    return traces
+
+
+def reference_scores(trace: LayerTrace, prompt_len: int, seen: int, sinks: int, omega: int,
+                     num_windows: int) -> torch.Tensor:
+    """Eq. 12 per window at the event where ``seen`` tokens exist: prompt rows plus decode rows up to it."""
+    mass = trace.prefill_mass.clone()
+    decoded = seen - prompt_len
+    if decoded > 0:
+        mass += trace.decode[:decoded].sum(0)
+    per_token = mass[sinks:seen]
+    windows = torch.zeros(num_windows)
+    ids = torch.arange(per_token.shape[0]) // omega
+    windows.scatter_add_(0, ids[ids < num_windows], per_token[:ids.shape[0]][ids < num_windows])
+    return windows
+
+
+def _historical(event: dict, sinks: int, omega: int) -> int:
+    """Number of windows that have left the recent region at this event."""
+    return (event["recent_start"] - sinks) // omega
+
+
+def accessible_positions(event: dict, sinks: int, omega: int, include_quantized: bool = True) -> set[int]:
+    kept = set(event["full"]) | (set(event["quantized"]) if include_quantized else set())
+    positions = set(range(min(sinks, event["seen"])))
+    positions |= {sinks + w * omega + i for w in kept for i in range(omega)}
+    positions |= set(range(event["recent_start"], event["seen"]))
+    return positions
+
+
+def future_missed_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
+                       horizon: int = 32, include_quantized: bool = True) -> list[tuple[int, float]]:
+    """(decode step, FMM) per routing event; ``include_quantized=False`` treats the low-bit tier as gone."""
+    out = []
+    total_decoded = trace.decode.shape[0]
+    for event in events:
+        seen = event["seen"]
+        first, last = seen - prompt_len, min(seen - prompt_len + horizon, total_decoded)
+        if first >= last:
+            continue
+        future = trace.decode[first:last, :seen]  # rows of queries after the event, keys that existed
+        kept = torch.zeros(seen, dtype=torch.bool)
+        kept[list(accessible_positions(event, sinks, omega, include_quantized))] = True
+        denominator = future.sum().item()
+        if denominator > 0:
+            out.append((first, future[:, ~kept].sum().item() / denominator))
+    return out
+
+
+def selection_churn(events: list[dict], sinks: int, omega: int) -> list[float]:
+    out = []
+    for before, after in zip(events, events[1:]):
+        historical = _historical(before, sinks, omega)
+        kept_before = (set(before["full"]) | set(before["quantized"])) & set(range(historical))
+        kept_after = (set(after["full"]) | set(after["quantized"])) & set(range(historical))
+        union = kept_before | kept_after
+        if union:
+            out.append(1 - len(kept_before & kept_after) / len(union))
+    return out
+
+
+def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
+              num_windows: int) -> dict[str, float]:
+    """Mean over events of each tier's share of the FullKV cumulative scores (recent + sinks = local)."""
+    shares = {"full": [], "quantized": [], "evicted": [], "local": []}
+    for event in events:
+        seen = event["seen"]
+        mass = trace.prefill_mass.clone()
+        if seen > prompt_len:
+            mass += trace.decode[:seen - prompt_len].sum(0)
+        mass = mass[:seen]
+        total = mass.sum().item()
+        if total <= 0:
+            continue
+        full = {sinks + w * omega + i for w in event["full"] for i in range(omega)}
+        quant = {sinks + w * omega + i for w in event["quantized"] for i in range(omega)}
+        local = set(range(min(sinks, seen))) | set(range(event["recent_start"], seen))
+        tiers = {"full": full, "quantized": quant, "local": local}
+        for name, positions in tiers.items():
+            shares[name].append(mass[[p for p in positions if p < seen]].sum().item() / total if positions else 0.0)
+        shares["evicted"].append(1 - sum(shares[n][-1] for n in tiers))
+    return {name: sum(v) / len(v) if v else 0.0 for name, v in shares.items()}
+
+
+def quantized_score_agreement(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
+                              num_windows: int) -> tuple[list[float], list[float]]:
+    """(QSA, R_Q) per event with a non-empty quantized tier: cosine and mass ratio of the policy's own scores of its
+    quantized windows against FullKV's cumulative scores of the same windows."""
+    qsa, ratio = [], []
+    for event in events:
+        windows = [w for w in event["quantized"] if str(w) in event["scores"] or w in event["scores"]]
+        if not windows:
+            continue
+        own = torch.tensor([float(event["scores"].get(w, event["scores"].get(str(w)))) for w in windows])
+        ref = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows)[windows]
+        if own.norm() > 0 and ref.norm() > 0:
+            qsa.append(torch.nn.functional.cosine_similarity(own, ref, dim=0).item())
+            ratio.append(own.sum().item() / ref.sum().item())
+    return qsa, ratio
+
+
+def membership(events: list[dict], selected: list[set[int]], sinks: int, omega: int) -> dict[int, list[int | None]]:
+    """Per window, its 0/1 membership in ``selected`` at each event (None before it left the recent region)."""
+    num = max((_historical(e, sinks, omega) for e in events), default=0)
+    out = {w: [] for w in range(num)}
+    for event, chosen in zip(events, selected):
+        historical = _historical(event, sinks, omega)
+        for w in range(num):
+            out[w].append(None if w >= historical else int(w in chosen))
+    return out
+
+
+def oracle_selection(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
+                     num_windows: int, k_full: int) -> list[set[int]]:
+    """Top-K_f historical windows of FullKV's cumulative ranking at every event."""
+    out = []
+    for event in events:
+        historical = _historical(event, sinks, omega)
+        scores = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows)[:historical]
+        out.append(set(scores.topk(min(k_full, historical)).indices.tolist()) if historical else set())
+    return out
+
+
+def global_lir(series: dict[int, list[int | None]], m: int = 3) -> tuple[float, float | None, int]:
+    """(LIR, median events to return, eligible episodes). An episode starts when a window leaves the set; it is
+    eligible after m inactive events and rescued if the window comes back before the end."""
+    eligible, returns = 0, []
+    for states in series.values():
+        states = [s for s in states if s is not None]
+        i = 1
+        while i < len(states):
+            if states[i - 1] == 1 and states[i] == 0:
+                j = i
+                while j < len(states) and states[j] == 0:
+                    j += 1
+                if j - i >= m:
+                    eligible += 1
+                    if j < len(states):
+                        returns.append(j - i)
+                i = j
+            else:
+                i += 1
+    lir = len(returns) / eligible if eligible else 0.0
+    return lir, (median(returns) if returns else None), eligible
+
+
+def lagged_transitions(series: dict[int, list[int | None]], max_lag: int = 8) -> dict[int, dict[str, float]]:
+    """P_01(Δ) and P_10(Δ) for Δ = 1..max_lag over windows present at both events."""
+    out = {}
+    for lag in range(1, max_lag + 1):
+        counts = {"00": 0, "01": 0, "10": 0, "11": 0}
+        for states in series.values():
+            for a, b in zip(states, states[lag:]):
+                if a is not None and b is not None:
+                    counts[f"{a}{b}"] += 1
+        zeros, ones = counts["00"] + counts["01"], counts["10"] + counts["11"]
+        out[lag] = {"P01": counts["01"] / zeros if zeros else 0.0, "P10": counts["10"] / ones if ones else 0.0}
+    return out
