@@ -5,7 +5,8 @@
 
 A natural text (Austen) is prefilled, then its next ``steps`` tokens are fed one at a time through every cache.
 At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
-log-probability of the true next token (perplexity). Continuous and sensitive at every budget.
+log-probability of the true next token (perplexity). Continuous and sensitive at every budget. All lanes run as
+rows of one batched forward (qevict_core.shared_prefill), each row attending only to its own cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.shared_prefill import shared_prefill
+from qevict_core.shared_prefill import forward_lanes
 
 from . import report
 from .common import RESULTS, method_lanes, setup
@@ -37,30 +38,25 @@ def text_tokens(tokenizer, count: int, offset: int = 0) -> torch.Tensor:
 def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]]) -> list[dict]:
     steps = tokens.shape[1] - prefill
     caches = [make_cache(m, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1]) for m, b in lanes]
-    reference = make_cache("fullkv", model, None, max_length=tokens.shape[1])
-    shared_prefill(model, tokens[:, :prefill], [reference] + caches)
-    stats = [{"kl": 0.0, "top1": 0, "nll": 0.0} for _ in caches]
-    nll_ref = 0.0
-    with torch.inference_mode():
-        for t in tqdm(range(prefill, tokens.shape[1]), desc="fidelity", unit="step", leave=False):
-            feed = tokens[:, t:t + 1]
-            target = tokens[0, t + 1] if t + 1 < tokens.shape[1] else None
-            ref = torch.log_softmax(model(feed, cache=reference, logits_to_keep=1).logits[0, -1].float(), -1)
-            if target is not None:
-                nll_ref -= ref[target].item()
-            for stat, cache in zip(stats, caches):
-                out = torch.log_softmax(model(feed, cache=cache, logits_to_keep=1).logits[0, -1].float(), -1)
-                stat["kl"] += torch.sum(ref.exp() * (ref - out)).item()
-                stat["top1"] += int(out.argmax() == ref.argmax())
-                if target is not None:
-                    stat["nll"] -= out[target].item()
+    everyone = [make_cache("fullkv", model, None, max_length=tokens.shape[1])] + caches  # row 0: the reference
+    forward_lanes(model, tokens[:, :prefill], everyone)
+    kl, top1, nll = torch.zeros(len(everyone)), torch.zeros(len(everyone)), torch.zeros(len(everyone))
+    for t in tqdm(range(prefill, tokens.shape[1]), desc="fidelity", unit="step", leave=False):
+        feed = tokens[:, t:t + 1].expand(len(everyone), 1)  # the true next token for every lane
+        logp = torch.log_softmax(forward_lanes(model, feed, everyone).float(), dim=-1).cpu()  # (lanes, vocab)
+        ref = logp[0]
+        kl += (ref.exp() * (ref - logp)).sum(dim=-1)
+        top1 += (logp.argmax(dim=-1) == ref.argmax()).float()
+        if t + 1 < tokens.shape[1]:
+            nll -= logp[:, tokens[0, t + 1]]
     scored = steps - 1
     rows = []
-    for (method, budget), stat, cache in zip(lanes, stats, caches):
+    for i, ((method, budget), cache) in enumerate(zip(lanes, caches), start=1):
+        memory = cache.memory_report()
         rows.append({"method": method, "budget": budget, "steps": steps, "prefill": prefill,
-                     "kl": stat["kl"] / steps, "top1": stat["top1"] / steps,
-                     "ppl": math.exp(stat["nll"] / scored), "ppl_fullkv": math.exp(nll_ref / scored),
-                     "kv_ratio": cache.memory_report()["ratio"], "budget_ratio": cache.memory_report()["budget_ratio"]})
+                     "kl": kl[i].item() / steps, "top1": top1[i].item() / steps,
+                     "ppl": math.exp(nll[i].item() / scored), "ppl_fullkv": math.exp(nll[0].item() / scored),
+                     "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"]})
     return rows
 
 

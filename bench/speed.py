@@ -1,0 +1,181 @@
+"""Speed and memory (Appendix H.1): TTFT, TPOT, throughput and peak memory per method, as ratios to FullKV
+measured in the same process.
+
+    python -m bench.speed --methods fullkv,snapkv,kivi2,qevict --budget 0.2 --contexts 1024,2048,4096,8192 \\
+        --new-tokens 64 --repeats 3 --threads 1
+    python -m bench.speed --device cuda --model random:llama-8b --contexts 8192,16384 --batch 8   # on a GPU
+
+Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times; medians are reported.
+TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N / (t_end - t_start).
+Peak memory: on CPU the process RSS above its level before the run (sampled every 2 ms) and the cache's own peak
+bytes; on a GPU ``torch.cuda.max_memory_allocated``. This machine is shared and noisy: pin threads and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from qevict_core import QEvictConfig, make_cache
+
+from .common import RESULTS, default_device, method_lanes, run_metadata, setup
+
+RANDOM_MODELS = {  # shapes of public 7-8B models, random weights: no download needed
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+}
+
+
+def load(model_name: str | None, device: str | None, threads: int | None):
+    if model_name and model_name.startswith("random:"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from qevict_core.attention import use_qevict_attention
+
+        if threads:
+            torch.set_num_threads(threads)
+        device = device or "cuda"
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**RANDOM_MODELS[model_name.split(":", 1)[1]])).to(dtype).eval()
+        use_qevict_attention(model)
+        return model, None, run_metadata(model_name, device)
+    return setup(model_name, device, threads)
+
+
+class PeakRSS:
+    """Samples the process resident set size in a thread; ``peak`` is the maximum above the starting level."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.process = interval, psutil.Process()
+
+    def __enter__(self):
+        self.base = self.high = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.high = max(self.high, self.process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = self.high - self.base
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:
+    device = prompt.device
+    cache = make_cache(method, model, QEvictConfig(budget=budget or 1.0), max_length=prompt.shape[1] + new_tokens,
+                       batch_size=prompt.shape[0])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with PeakRSS() as rss, torch.inference_mode():
+        sync(device)
+        start = time.perf_counter()
+        token = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        first = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            token = model(token, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        end = time.perf_counter()
+    report = cache.memory_report()
+    return {"ttft": first - start, "tpot": (end - first) / max(1, new_tokens - 1),
+            "throughput": prompt.shape[0] * new_tokens / (end - start),
+            "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak,
+            "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"]}
+
+
+def prompt_ids(tokenizer, model, length: int, batch: int, device) -> torch.Tensor:
+    if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
+        generator = torch.Generator().manual_seed(length)
+        return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
+    from .ruler_tasks import essay_sentences
+
+    text = " ".join(essay_sentences("austen"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :length]
+    while ids.shape[1] < length:
+        ids = torch.cat([ids, ids], dim=1)[:, :length]
+    return ids.expand(batch, -1).contiguous().to(device)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="fullkv,streamingllm,snapkv,kivi2,qevict")
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--contexts", default="1024,2048,4096,8192")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "speed"))
+    parser.add_argument("--model", default=None, help="bundled SmolLM2 by default; random:llama-8b for GPU runs")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
+    device = next(model.parameters()).device
+    lanes = [(m, b) for m, b in method_lanes([m.strip() for m in args.methods.split(",")], [args.budget])
+             if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
+    rows = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        prompt = prompt_ids(tokenizer, model, context, args.batch, device)
+        one_run(model, "fullkv", None, prompt[:, :min(context, 256)], 4)  # warm-up
+        results = {}
+        for method, budget in lanes:
+            try:
+                runs = [one_run(model, method, budget, prompt, args.new_tokens) for _ in range(args.repeats)]
+            except (ValueError, torch.cuda.OutOfMemoryError) as err:
+                print(f"skip {method} at {context}: {err}")
+                continue
+            results[method] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print(f"{context:>6} {method:18s} " + " ".join(f"{k}={v:.4g}" for k, v in results[method].items()),
+                  flush=True)
+        base = results.get("fullkv")
+        for method, res in results.items():
+            ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
+                      if base and base[k]}
+            rows.append({"method": method, "budget": None if method in ("fullkv", "kivi2", "kivi4") else args.budget,
+                         "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
+                         "repeats": args.repeats, **res, **ratios, **meta})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"speed-{meta['device'].split(':')[0]}-{(args.model or 'smollm2').replace(':', '-')}-b{args.batch}"
+    (out / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / f"{stem}.md").write_text(speed_table(rows, meta))
+    print(f"wrote {out / (stem + '.md')}")
+
+
+def speed_table(rows: list[dict], meta: dict) -> str:
+    lines = [f"{meta['model']} on {meta['gpu'] or meta['cpu']} ({meta['device']}, {meta['threads']} threads), "
+             f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process.", "",
+             "| context | method | TTFT s | TPOT ms | tok/s | peak mem MiB | KV MiB | TTFT × | TPOT × | tok/s × | "
+             "peak × |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['method']} | {r['ttft']:.3f} | {1000 * r['tpot']:.1f} | "
+                     f"{r['throughput']:.2f} | {r['peak_memory'] / 2**20:.1f} | {r['kv_bytes'] / 2**20:.2f} | "
+                     + " | ".join(f"{r.get(k + '_vs_fullkv', float('nan')):.2f}"
+                                  for k in ("ttft", "tpot", "throughput", "peak_memory")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Smoke runs of every benchmark script on a tiny model: output schema, resumability, plots render."""
+
+import json
+
+import pytest
+import torch
+
+from bench import diagnostics, fidelity, ruler, speed
+from bench.common import parse_shard, read_jsonl
+from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
+from qevict_core.testing import tiny_tokenizer
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_task_builds_a_sample_whose_answers_are_in_the_prompt(task):
+    sample = build(task, 200, seed=3, depth=None, essay="austen")
+    assert sample.answers and sample.max_new_tokens > 0
+    if TASKS[task].kind in ("niah", "vt", "cwe"):
+        assert all(answer in sample.prompt for answer in sample.answers)
+    assert build(task, 200, seed=3, depth=None, essay="austen") == sample  # seeded
+    assert build(task, 200, seed=4, depth=None, essay="austen") != sample
+
+
+def test_needle_depth_is_controlled():
+    early = build("niah_single_1", 400, seed=1, depth=0.1, essay="austen")
+    late = build("niah_single_1", 400, seed=1, depth=0.9, essay="austen")
+    position = lambda s: s.prompt.index("One of the special magic") / len(s.prompt)  # noqa: E731
+    assert position(early) < 0.2 < 0.8 < position(late)
+    assert early.prompt.count(NOISE) == 400
+
+
+def test_string_match_all_is_rulers_metric():
+    assert string_match_all("the numbers are 123 and 456", ("123", "456")) == 1.0
+    assert string_match_all("only 123", ("123", "456")) == 0.5
+    assert string_match_all("ABC-def", ("abc-DEF",)) == 1.0
+
+
+def test_haystack_is_sized_to_the_target_length():
+    tok = tiny_tokenizer()
+    sample, ids = ruler.sized_sample(tok, "niah_single_1", 1024, seed=5, depth=0.5, haystack="austen")
+    assert 1024 - 200 < ids.shape[1] + sample.max_new_tokens <= 1024
+
+
+def test_shard_from_flag_or_launcher(monkeypatch):
+    assert parse_shard("1/4") == (1, 4)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert parse_shard(None) == (2, 3)
+    with pytest.raises(ValueError, match="shard must be i/n"):
+        parse_shard("5/4")
+
+
+def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
+    common = ["--model", "tiny", "--methods", "fullkv,qevict,snapkv", "--budgets", "0.3", "--lengths", "1024",
+              "--tasks", "niah_single_1,vt", "--samples", "2", "--out", str(tmp_path)]
+    ruler.main(common + ["--shard", "0/2"])
+    ruler.main(common + ["--shard", "1/2"])
+    rows = read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))
+    assert len(rows) == 2 * 2 * 3  # tasks x samples x lanes
+    assert {"method", "budget", "task", "length", "sample", "score", "kv_ratio", "prefill_s_shared", "decode_s",
+            "threads", "commit"} <= set(rows[0])
+    assert all(0 <= r["score"] <= 1 and r["kv_ratio"] > 0 for r in rows)
+    ruler.main(common + ["--shard", "0/2"])  # everything done: nothing appended
+    assert len(read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))) == len(rows)
+    table = (tmp_path / "ruler_table.md").read_text()
+    assert "qevict @30%" in table and "fullkv" in table
+    assert (tmp_path / "ruler_pareto.png").stat().st_size > 5000
+    assert "plotly" in (tmp_path / "ruler_pareto.html").read_text()
+
+
+def test_fidelity_smoke(tmp_path):
+    fidelity.main(["--model", "tiny", "--methods", "fullkv,qevict,kivi2", "--budgets", "0.3", "--prefill", "400",
+                   "--steps", "12", "--out", str(tmp_path)])
+    rows = read_jsonl([tmp_path / "fidelity.jsonl"])
+    by = {r["method"]: r for r in rows}
+    assert by["fullkv"]["kl"] == pytest.approx(0, abs=1e-6) and by["fullkv"]["top1"] == 1.0
+    assert by["qevict"]["kl"] > 0 and 0 <= by["qevict"]["top1"] <= 1 and by["qevict"]["ppl"] > 1
+    assert (tmp_path / "fidelity_pareto.png").exists() and (tmp_path / "fidelity_table.md").exists()
+
+
+def test_diagnostics_smoke(tmp_path):
+    diagnostics.main(["--model", "tiny", "--prefill", "256", "--generate", "48", "--articles", "1",
+                      "--budget", "0.5", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "diagnostics.json").read_text())
+    r3 = result["conditions"]["R3"]
+    assert r3["k_quant"] > 0 and 0 <= r3["fmm"] <= 1 and r3["fmm_fp_only"] >= r3["fmm"]
+    assert abs(sum(r3["tier_mass"].values()) - 1) < 1e-6 and r3["qsa"] is not None
+    assert set(result["conditions"]["R1"]["lagged"]) == {str(d) for d in range(1, 9)}
+    for name in ("fmm_curve.png", "fmm_curve.html", "tier_mass.png", "diagnostics_table.md"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_speed_smoke(tmp_path):
+    speed.main(["--model", "tiny", "--methods", "fullkv,qevict", "--contexts", "512", "--new-tokens", "8",
+                "--repeats", "1", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*.jsonl")
+    rows = {r["method"]: r for r in read_jsonl([path])}
+    assert rows["fullkv"]["tpot_vs_fullkv"] == 1.0
+    assert rows["qevict"]["kv_bytes"] < rows["fullkv"]["kv_bytes"] and rows["qevict"]["ttft"] > 0
+    assert "| 512 | qevict |" in next(tmp_path.glob("*.md")).read_text()
+
