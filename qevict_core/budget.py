@@ -78,7 +78,8 @@ class TierPlan:
     quant_window_bytes: int
 
 
-def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer: bool) -> TierPlan:
+def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer: bool,
+               lse_buffer: bool = False) -> TierPlan:
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1 (got {max_length})")
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget * shape.fullkv_bytes(max_length))
@@ -88,6 +89,8 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer:
     fixed = fp_tokens * shape.token_bytes() + shape.batch * num_windows * SCORE_BYTES
     if query_buffer:
         fixed += shape.batch * shape.num_q_heads * cfg.omega * shape.head_dim * shape.element_size
+    if lse_buffer:  # the kernel path keeps each buffered query's float32 log-sum-exp
+        fixed += shape.batch * shape.num_q_heads * cfg.omega * SCORE_BYTES
     hist = budget // shape.num_layers - fixed
     if hist < 0:
         least = shape.num_layers * fixed

@@ -27,6 +27,7 @@ from .ledger import WindowLedger
 from .rope import Rope
 from .scorers import make_scorer
 from .scoring import key_attention_mass, window_mass
+from . import fast_path
 from .attention import sdpa_with_positions, use_qevict_attention
 from .routing import route_windows
 
@@ -63,7 +64,7 @@ class QEvictLayer(ReportingLayer):
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
         self.recent_start = owner.config.sinks
         self.scores = torch.zeros(b, owner.plan.num_windows, dtype=torch.float32, device=key_states.device)
-        self.qbuf = None
+        self.qbuf = self.qlse = None  # queries since the last routing event (and their LSEs, kernel path)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -79,48 +80,79 @@ class QEvictLayer(ReportingLayer):
         self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
         keys = [self.sink_k, self.full_k, self.recent_k]
         values = [self.sink_v, self.full_v, self.recent_v]
-        if self.quant.num_windows:
-            q_keys, q_values = self.quant.dequantize()
-            keys.insert(0, self.owner.rope.rotate(q_keys, window_positions(self.quant.ids, *self._grid)))
+        if self.quant.num_windows and not self.owner.kernels:
+            q_keys, q_values = self._dequantized()
+            keys.insert(0, q_keys)
             values.insert(0, q_values)
         return self.returning(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantized tier as post-RoPE keys and values in the model dtype (a transient copy)."""
+        q_keys, q_values = self.quant.dequantize()
+        return self.owner.rope.rotate(q_keys, window_positions(self.quant.ids, *self._grid)), q_values
 
     @property
     def _grid(self) -> tuple[int, int]:
         return self.owner.config.sinks, self.owner.config.omega
 
     def attend(self, module, query, key, value, scaling, dropout):
-        out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+        fast = self.owner.kernels and self.owner.step > 0  # the prompt has no quantized tier yet: SDPA
+        if fast:
+            merged, lse = fast_path.attend(self, query, key, value, scaling)
+            out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
+        else:
+            out, lse = sdpa_with_positions(module, query, key, value, scaling, dropout), None
         if self.owner.scorer.needs_attention:
-            window = self.owner.config.prefill_window
-            if window and query.shape[2] > window:  # a prompt: score with its observation window only
-                self.qbuf = None
-                query = query[:, :, -window:]
-            self.qbuf = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
+            self._buffer(query, lse)
         if self.owner.schedule.routing_now:
-            self._route(key, value, scaling)
+            mass = None
+            if fast:  # scores from the saved LSEs, the quantized tier read in place; moves need it dequantized
+                if self.qbuf is not None:
+                    mass = fast_path.routing_mass(self, key, self.fp_positions(), scaling)
+                if self.quant.num_windows:
+                    q_keys, q_values = self._dequantized()
+                    key, value = torch.cat([q_keys, key], dim=2), torch.cat([q_values, value], dim=2)
+            self._route(key, value, scaling, mass)
             self.owner.note_bytes(self.layer_idx)
         return out
 
+    def _buffer(self, query: torch.Tensor, lse: torch.Tensor | None) -> None:
+        window = self.owner.config.prefill_window
+        if window and query.shape[2] > window:  # a prompt: score with its observation window only
+            self.qbuf = self.qlse = None
+            query = query[:, :, -window:]
+            lse = lse[:, :, -window:] if lse is not None else None
+        self.qbuf = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
+        if lse is not None:
+            self.qlse = lse if self.qlse is None else torch.cat([self.qlse, lse], dim=2)
+
     def attended_positions(self) -> torch.Tensor:
-        """(B, N) absolute positions of the keys ``update`` returned, in the same order."""
-        b, device = self.full_ids.shape[0], self.full_ids.device
+        """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
         parts = [window_positions(self.quant.ids, *self._grid)] if self.quant.num_windows else []
-        parts.append(torch.arange(self.sink_k.shape[2], device=device).expand(b, -1))
+        return torch.cat(parts + [self.fp_positions()], dim=1)
+
+    def fp_positions(self) -> torch.Tensor:
+        """(B, N) absolute positions of the full-precision keys [sinks | full | recent]."""
+        b, device = self.full_ids.shape[0], self.full_ids.device
+        parts = [torch.arange(self.sink_k.shape[2], device=device).expand(b, -1)]
         parts.append(window_positions(self.full_ids, *self._grid))
         n_recent = self.recent_k.shape[2]
         parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
         return torch.cat(parts, dim=1)
 
-    def _route(self, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+    def _route(self, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+               mass: torch.Tensor | None = None) -> None:
+        """``keys``/``values`` in the order [quantized | sinks | full | recent]; ``mass``: per-key attention mass
+        of the buffered queries when the kernels computed it."""
         owner, (sinks, omega) = self.owner, self._grid
         key_pos = self.attended_positions()
         if self.qbuf is not None:
-            query_pos = torch.arange(self.seen - self.qbuf.shape[2], self.seen, device=keys.device)
-            mass = key_attention_mass(self.qbuf, query_pos, keys, key_pos, scaling)
+            if mass is None:
+                query_pos = torch.arange(self.seen - self.qbuf.shape[2], self.seen, device=keys.device)
+                mass = key_attention_mass(self.qbuf, query_pos, keys, key_pos, scaling)
             owner.scorer.update(self.scores, window_mass(mass, window_of_position(key_pos, sinks, omega),
                                                          owner.plan.num_windows))
-            self.qbuf = None
+            self.qbuf = self.qlse = None
         first_recent = (self.recent_start - sinks) // omega
         num_aged = max(0, (self.seen - owner.config.recent - sinks) // omega - first_recent)
         aged_ids = torch.arange(first_recent, first_recent + num_aged, device=keys.device, dtype=torch.int32)
@@ -199,7 +231,7 @@ class QEvictLayer(ReportingLayer):
             "index": quant["index"] + self.full_ids.nbytes,
             "ledger": dormant + self.dormant_valid.nbytes,
             "scores": self.scores.nbytes,
-            "query_buffer": self.qbuf.nbytes if self.qbuf is not None else 0,
+            "query_buffer": sum(t.nbytes for t in (self.qbuf, self.qlse) if t is not None),
         }
 
     def tier_counts(self) -> dict[str, int]:
@@ -236,7 +268,9 @@ class QEvictCache(ReportingCache):
         self.config = config
         self.scorer = make_scorer(config)
         shape = KVShape.from_model(model, batch_size)
-        self.plan = plan_tiers(shape, config, max_length, query_buffer=self.scorer.needs_attention)
+        self.kernels = fast_path.kernels_enabled(config.kernels, next(model.parameters()).device)
+        self.plan = plan_tiers(shape, config, max_length, query_buffer=self.scorer.needs_attention,
+                               lse_buffer=self.kernels and self.scorer.needs_attention)
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
         self._moves: torch.Tensor | None = None

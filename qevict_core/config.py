@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
+KERNEL_SETTINGS = ("auto", "triton", "torch")
 BITS = (2, 4)
 
 
@@ -31,6 +32,7 @@ class QEvictConfig:
     decay:        λ of the ``decay`` scorer.
     p:            exponent of the ``pnorm`` scorer.
     record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
+    kernels:      "auto" (Triton kernels on CUDA), "triton" (forced; on CPU under TRITON_INTERPRET=1) or "torch".
     """
 
     budget: float = 0.2
@@ -46,6 +48,7 @@ class QEvictConfig:
     decay: float = 0.99
     p: float = 3.0
     record_events: bool = True
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.budget_bytes is None and not self.budget > 0:
@@ -67,6 +70,8 @@ class QEvictConfig:
             raise ValueError(f"bits must be one of {BITS} (got {self.bits!r})")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS} (got {self.scorer!r})")
+        if self.kernels not in KERNEL_SETTINGS:
+            raise ValueError(f"kernels must be one of {KERNEL_SETTINGS} (got {self.kernels!r})")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must lie in (0, 1] (got {self.decay!r})")
         if not self.p >= 1.0:

@@ -28,6 +28,14 @@ class Rope:
                 return cls(module)
         raise ValueError(f"{type(model).__name__} has no rotary embedding module; QEvict needs a RoPE model")
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.rotary.inv_freq
+
+    @property
+    def attention_scaling(self) -> float:
+        return float(getattr(self.rotary, "attention_scaling", 1.0))
+
     def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(like, positions.long())  # (B, T, D)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): shared by every head

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton kernels run on the CPU through Triton's interpreter; it must be chosen before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from qevict_core.testing import tiny_chat_model, tiny_model, tiny_tokenizer  # noqa: F401  (shared with bench smoke runs)
 

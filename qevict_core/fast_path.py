@@ -1,0 +1,63 @@
+"""QEvict without the reconstruction tax: attention and routing scores read the low-bit tier in place.
+
+With kernels on, ``update`` returns only the full-precision keys (sinks | full | recent). Attention runs as
+segments merged by log-sum-exp: the full-precision segment through PyTorch's fused attention (which returns its
+LSE), the quantized segment through ``kernels.quant_attention``, which dequantizes and re-rotates the packed codes
+in registers. Each query's merged LSE is kept with it until the next routing event, where ``kernels.window_mass``
+turns exp(q·k·scale - lse) into every key's attention mass — Eq. 1 without materialising attention rows.
+The prompt (nothing quantized yet) still takes SDPA and the chunked PyTorch scorer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+def kernels_enabled(setting: str, device: torch.device) -> bool:
+    """auto: Triton on CUDA when installed; triton: forced (on CPU only under TRITON_INTERPRET=1); torch: never."""
+    if setting == "torch":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        if setting == "triton":
+            raise ValueError("kernels='triton' needs the triton package (pip install triton)") from err
+        return False
+    if device.type == "cuda":
+        return True
+    if setting == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels='triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                             "starting Python (or use kernels='torch')")
+        return True
+    return False
+
+
+def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float):
+    """-> (out (B, Hq, L, D), lse (B, Hq, L)) float32 over the full-precision keys and the quantized tier."""
+    from kernels.merge import fp_attention_with_lse, merge_attention
+    from kernels.quant_attention import quant_attention
+
+    parts = [fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=query.shape[2] > 1)]
+    if layer.quant.num_windows:
+        rope = layer.owner.rope
+        parts.append(quant_attention(query, layer.quant, layer.owner.config.sinks, rope.inv_freq,
+                                     rope.attention_scaling, scaling))
+    return merge_attention(parts) if len(parts) > 1 else parts[0]
+
+
+def routing_mass(layer, fp_keys: torch.Tensor, fp_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(B, N) attention mass of the buffered queries on every key, laid out [quantized | full precision] like the
+    keys of the PyTorch path, averaged over query heads."""
+    from kernels.window_mass import fp_mass, quant_mass
+
+    query, lse = layer.qbuf, layer.qlse
+    query_pos = torch.arange(layer.seen - query.shape[2], layer.seen, device=query.device)
+    masses = []
+    if layer.quant.num_windows:
+        rope = layer.owner.rope
+        masses.append(quant_mass(query, query_pos, lse, layer.quant, layer.owner.config.sinks, rope.inv_freq,
+                                 rope.attention_scaling, scaling))
+    masses.append(fp_mass(query, query_pos, lse, fp_keys, fp_positions, scaling))
+    return torch.cat(masses, dim=2).sum(dim=1) / query.shape[1]
