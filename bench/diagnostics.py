@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from statistics import mean
 
 import matplotlib
 
@@ -57,60 +56,6 @@ def replay(model, sequence: torch.Tensor, prompt_len: int, method: str, config: 
     for event in cache.events:
         by_layer.setdefault(event.layer, []).append(event.to_dict())
     return cache, by_layer
-
-
-def evaluate(traces, cache, by_layer, prompt_len: int, horizon: int, lag: int, m: int) -> dict:
-    sinks, omega = cache.config.sinks, cache.config.omega
-    windows, k_full = cache.plan.num_windows, cache.plan.k_full
-    per_layer = []
-    for layer, events in sorted(by_layer.items()):
-        trace = traces[layer]
-        decode_events = [e for e in events if e["seen"] >= prompt_len]
-        fmm = dg.future_missed_mass(trace, decode_events, prompt_len, sinks, omega, horizon)
-        fmm_fp = dg.future_missed_mass(trace, decode_events, prompt_len, sinks, omega, horizon, include_quantized=False)
-        qsa, r_q = dg.quantized_score_agreement(trace, decode_events, prompt_len, sinks, omega, windows)
-        policy = dg.membership(decode_events, [set(e["full"]) for e in decode_events], sinks, omega)
-        oracle = dg.membership(decode_events, dg.oracle_selection(trace, decode_events, prompt_len, sinks, omega,
-                                                                  windows, k_full), sinks, omega)
-        per_layer.append({
-            "fmm": fmm, "fmm_fp": fmm_fp, "churn": dg.selection_churn(decode_events, sinks, omega),
-            "tier_mass": dg.tier_mass(trace, decode_events, prompt_len, sinks, omega, windows),
-            "qsa": qsa, "r_q": r_q, "lir_policy": dg.global_lir(policy, m), "lir_oracle": dg.global_lir(oracle, m),
-            "lagged": dg.lagged_transitions(policy, lag)})
-    return per_layer
-
-
-def aggregate(layers: list[dict]) -> dict:
-    def avg(values):
-        values = [v for v in values if v is not None]
-        return mean(values) if values else None
-
-    steps = sorted({s for layer in layers for s, _ in layer["fmm"]})
-    curve = [(s, avg([dict(layer["fmm"]).get(s) for layer in layers])) for s in steps]
-    curve_fp = [(s, avg([dict(layer["fmm_fp"]).get(s) for layer in layers])) for s in steps]
-    lags = layers[0]["lagged"].keys() if layers else []
-    return {
-        "fmm": avg([v for layer in layers for _, v in layer["fmm"]]),
-        "fmm_fp_only": avg([v for layer in layers for _, v in layer["fmm_fp"]]),
-        "churn": avg([v for layer in layers for v in layer["churn"]]),
-        "tier_mass": {k: avg([layer["tier_mass"][k] for layer in layers]) for k in ("full", "quantized", "evicted",
-                                                                                   "local")},
-        "qsa": avg([v for layer in layers for v in layer["qsa"]]),
-        "r_q": avg([v for layer in layers for v in layer["r_q"]]),
-        "lir_policy": _pooled_lir([layer["lir_policy"] for layer in layers]),
-        "lir_oracle": _pooled_lir([layer["lir_oracle"] for layer in layers]),
-        "lagged": {lag: {k: avg([layer["lagged"][lag][k] for layer in layers]) for k in ("P01", "P10")}
-                   for lag in lags},
-        "fmm_curve": curve, "fmm_fp_curve": curve_fp,
-    }
-
-
-def _pooled_lir(results) -> dict:
-    eligible = sum(r[2] for r in results)
-    rescued = sum(round(r[0] * r[2]) for r in results)
-    medians = [r[1] for r in results if r[1] is not None]
-    return {"lir": rescued / eligible if eligible else 0.0, "eligible": eligible,
-            "median_return_events": mean(medians) if medians else None}
 
 
 def render(result: dict, out: Path) -> Path:
@@ -195,13 +140,20 @@ def main(argv=None) -> None:
                 skipped[name] = str(err)
                 continue
             plans[name] = (method, cache.config.omega, cache.plan.k_full, cache.plan.k_quant)
-            collected[name] += evaluate(traces, cache, by_layer, args.prefill, args.horizon, lag=8, m=3)
+            collected[name].append((traces, cache, by_layer))
     conditions = {}
-    for name, layers in collected.items():
+    for name, runs in collected.items():
         if name not in plans:
             continue
         method, omega, k_full, k_quant = plans[name]
-        conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant, **aggregate(layers)}
+        # Pool both articles' layers into one average: the layer traces of article i go with its events.
+        pooled = {}
+        for i, (traces, cache, by_layer) in enumerate(runs):
+            offset = i * len(traces)
+            pooled.update({offset + layer: (traces[layer], events) for layer, events in by_layer.items()})
+        result = dg.diagnose([t for t, _ in pooled.values()], {i: e for i, (_, e) in enumerate(pooled.values())},
+                             args.prefill, args.sinks, omega, runs[0][1].plan.num_windows, k_full, args.horizon)
+        conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant, **result}
     result = {"meta": meta, "args": vars(args), "conditions": conditions, "skipped": skipped}
     (out / "diagnostics.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {render(json.loads(json.dumps(result)), out)}")

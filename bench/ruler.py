@@ -73,7 +73,8 @@ def run(args) -> None:
     lanes = method_lanes(methods, budgets)
     shard, shards = parse_shard(args.shard)
     done = {cell_key(r) for r in read_jsonl(sorted(out.glob("ruler-*.jsonl")))} if out.is_dir() else set()
-    items = [item for k, item in enumerate(itertools.product(lengths, tasks, range(args.samples))) if k % shards == shard]
+    work = itertools.product(lengths, tasks, range(args.samples))
+    items = [item for k, item in enumerate(work) if k % shards == shard]
     model, tokenizer, meta = setup(args.model, args.device or default_device(), args.threads)
     path = out / f"ruler-shard{shard}of{shards}.jsonl"
     for length, task, sample_idx in tqdm(items, desc=f"ruler shard {shard}/{shards}", unit="sample"):
@@ -127,7 +128,8 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", default="fullkv,streamingllm,snapkv,adakv,defensivekv,kivi2,qevict")
     parser.add_argument("--budgets", default="0.05,0.1,0.2")
     parser.add_argument("--lengths", default="2048,4096")
-    parser.add_argument("--tasks", default="default", help=f"'default' = {','.join(DEFAULT_TASKS)}; all: {','.join(TASKS)}")
+    parser.add_argument("--tasks", default="default",
+                        help=f"'default' = {','.join(DEFAULT_TASKS)}; all: {','.join(TASKS)}")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--shard", default=None, help="i/n (default: RANK/WORLD_SIZE, else 0/1)")
     parser.add_argument("--out", default=str(RESULTS / "ruler"))

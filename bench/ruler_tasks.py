@@ -170,7 +170,8 @@ def _niah(task, spec, n, rng, depth, essay) -> Sample:
         while len(units) < n:
             key = _value(spec.key_type, rng)
             if key not in keys:
-                units.append(f"One of the special magic {spec.value_type} for {key} is: {_value(spec.value_type, rng)}.")
+                value = _value(spec.value_type, rng)
+                units.append(f"One of the special magic {spec.value_type} for {key} is: {value}.")
     depths = [depth if depth is not None else rng.random() for _ in needles]
     context = " ".join(_insert(units, needles, depths))
     queried = keys[:spec.num_queries]

@@ -32,19 +32,27 @@ class LayerTrace:
 
 
 def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[LayerTrace]:
-    """Eager attention of the uncompressed model over the whole sequence, kept per layer as head means."""
-    traces: list[LayerTrace] = []
+    """Eager attention of the uncompressed model over the whole sequence, reduced layer by layer to head means
+    as the forward runs (a hook per attention module), so only one layer's T x T probabilities exist at a time."""
+    traces: dict[int, LayerTrace] = {}
+
+    def keep(module, _inputs, output):
+        mean = output[1][0].float().mean(dim=0)  # (T, T), averaged over query heads
+        traces[module.layer_idx] = LayerTrace(decode=mean[prompt_len:].clone(), prefill_mass=mean[:prompt_len].sum(0))
+        return output[0], None
+
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    hooks = [m.register_forward_hook(keep) for m in modules]
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         with torch.inference_mode():
-            attentions = model(input_ids, output_attentions=True).attentions
-        for probs in attentions:  # (1, Hq, T, T)
-            mean = probs[0].float().mean(dim=0)  # (T, T)
-            traces.append(LayerTrace(decode=mean[prompt_len:].clone(), prefill_mass=mean[:prompt_len].sum(0)))
+            model(input_ids)
     finally:
         model.set_attn_implementation(previous)
-    return traces
+        for hook in hooks:
+            hook.remove()
+    return [traces[i] for i in sorted(traces)]
 
 
 def reference_scores(trace: LayerTrace, prompt_len: int, seen: int, sinks: int, omega: int,
@@ -202,3 +210,56 @@ def lagged_transitions(series: dict[int, list[int | None]], max_lag: int = 8) ->
         zeros, ones = counts["00"] + counts["01"], counts["10"] + counts["11"]
         out[lag] = {"P01": counts["01"] / zeros if zeros else 0.0, "P10": counts["10"] / ones if ones else 0.0}
     return out
+
+
+def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]], prompt_len: int, sinks: int,
+             omega: int, num_windows: int, k_full: int, horizon: int = 32, max_lag: int = 8, m: int = 3) -> dict:
+    """Every diagnostic for one policy run, averaged over layers: the numbers of the paper's Table 14-16."""
+    per_layer = []
+    for layer, events in sorted(events_by_layer.items()):
+        trace = traces[layer]
+        decode = [e for e in events if e["seen"] >= prompt_len]
+        policy = membership(decode, [set(e["full"]) for e in decode], sinks, omega)
+        oracle = membership(decode, oracle_selection(trace, decode, prompt_len, sinks, omega, num_windows, k_full),
+                            sinks, omega)
+        qsa, r_q = quantized_score_agreement(trace, decode, prompt_len, sinks, omega, num_windows)
+        per_layer.append({
+            "fmm": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon),
+            "fmm_fp": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon, include_quantized=False),
+            "churn": selection_churn(decode, sinks, omega), "qsa": qsa, "r_q": r_q,
+            "tier_mass": tier_mass(trace, decode, prompt_len, sinks, omega, num_windows),
+            "lir_policy": global_lir(policy, m), "lir_oracle": global_lir(oracle, m),
+            "lagged": lagged_transitions(policy, max_lag)})
+    return aggregate(per_layer)
+
+
+def aggregate(layers: list[dict]) -> dict:
+    def avg(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    steps = sorted({s for layer in layers for s, _ in layer["fmm"]})
+    lags = layers[0]["lagged"].keys() if layers else []
+    return {
+        "fmm": avg([v for layer in layers for _, v in layer["fmm"]]),
+        "fmm_fp_only": avg([v for layer in layers for _, v in layer["fmm_fp"]]),
+        "churn": avg([v for layer in layers for v in layer["churn"]]),
+        "tier_mass": {k: avg([layer["tier_mass"][k] for layer in layers])
+                      for k in ("full", "quantized", "evicted", "local")},
+        "qsa": avg([v for layer in layers for v in layer["qsa"]]),
+        "r_q": avg([v for layer in layers for v in layer["r_q"]]),
+        "lir_policy": _pooled_lir([layer["lir_policy"] for layer in layers]),
+        "lir_oracle": _pooled_lir([layer["lir_oracle"] for layer in layers]),
+        "lagged": {lag: {k: avg([layer["lagged"][lag][k] for layer in layers]) for k in ("P01", "P10")}
+                   for lag in lags},
+        "fmm_curve": [(s, avg([dict(layer["fmm"]).get(s) for layer in layers])) for s in steps],
+        "fmm_fp_curve": [(s, avg([dict(layer["fmm_fp"]).get(s) for layer in layers])) for s in steps],
+    }
+
+
+def _pooled_lir(results) -> dict:
+    eligible = sum(r[2] for r in results)
+    rescued = sum(round(r[0] * r[2]) for r in results)
+    medians = [r[1] for r in results if r[1] is not None]
+    return {"lir": rescued / eligible if eligible else 0.0, "eligible": eligible,
+            "median_return_events": sum(medians) / len(medians) if medians else None}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run on the CPU through Triton's interpreter; it must be chosen before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from qevict_core.testing import tiny_chat_model, tiny_model, tiny_tokenizer  # noqa: F401  (shared with bench smoke runs)
+# Without a GPU, Triton kernels run through Triton's interpreter, chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Shared with the benchmarks' smoke runs, re-exported for the tests.
+from qevict_core.testing import tiny_chat_model, tiny_model, tiny_tokenizer  # noqa: F401, E402
 
 torch.set_num_threads(int(os.environ.get("QEVICT_TEST_THREADS", "2")))
 

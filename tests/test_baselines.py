@@ -170,7 +170,8 @@ def test_kivi_round_trip_and_residual(bits):
     layer = cache.layers[0]
     keys, values = torch.randn(1, 2, 150, 16), torch.randn(1, 2, 150, 16)
     for start, size in [(0, 70), (70, 1), (71, 40), (111, 39)]:
-        k_scale_before, v_scale_before = layer.k_scale.clone() if start else None, layer.v_scale.clone() if start else None
+        if layer.is_initialized:  # the scales of what was stored before this call
+            k_scale_before, v_scale_before = layer.k_scale.clone(), layer.v_scale.clone()
         k_out, v_out = layer.update(keys[:, :, start:start + size], values[:, :, start:start + size])
         seen = start + size
         assert layer.k_res.shape[2] == seen % 32  # keys: quantized in blocks of R = 32

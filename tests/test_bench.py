@@ -99,3 +99,13 @@ def test_speed_smoke(tmp_path):
     assert rows["qevict"]["kv_bytes"] < rows["fullkv"]["kv_bytes"] and rows["qevict"]["ttft"] > 0
     assert "| 512 | qevict |" in next(tmp_path.glob("*.md")).read_text()
 
+
+
+def test_kernel_microbenchmark_smoke(tmp_path):
+    from bench import kernels
+
+    kernels.main(["--device", "cpu", "--keys", "64", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
+    rows = read_jsonl(list(tmp_path.glob("*.jsonl")))
+    assert {r["impl"] for r in rows} == {"kernel", "dequant+sdpa", "sdpa_fp"}
+    by = {r["impl"]: r for r in rows}
+    assert by["kernel"]["bytes"] < by["sdpa_fp"]["bytes"] / 3  # INT2 codes + scales vs fp32 keys and values

@@ -120,3 +120,19 @@ def test_forced_kernels_generate_the_torch_paths_tokens(kv_heads):
     assert triton_tokens == torch_tokens
     assert triton_moves == torch_moves and torch_moves["evictions"] > 0 and torch_mem["components"]["quantized"] > 0
     assert triton_mem["total_bytes"] <= triton_mem["budget_bytes"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the interpreter is too slow for SmolLM2")
+def test_forced_kernels_on_smollm2_generate_the_torch_paths_tokens(smollm2):
+    from qevict_core import load_model
+    from tests.test_smollm2 import passage_prompt
+
+    model, tok = load_model(device="cuda", dtype=torch.float32)
+    prompt = passage_prompt(tok, 1400).cuda()
+    tokens = {}
+    for kernels in ("torch", "triton"):
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels), max_length=prompt.shape[1] + 256)
+        out = model.generate(prompt, cache=cache, max_new_tokens=256, min_new_tokens=256, do_sample=False)
+        tokens[kernels] = out[0, prompt.shape[1]:].tolist()
+    agree = sum(a == b for a, b in zip(tokens["torch"], tokens["triton"])) / 256
+    assert tokens["triton"][:64] == tokens["torch"][:64] and agree > 0.95, agree

@@ -83,7 +83,8 @@ def needle_prompt(tokenizer, seed: int, tokens: int = 2000):
     import random
 
     rng = random.Random(seed)
-    key, value = rng.choice(["apple", "river", "lantern", "violet", "harbor", "falcon"]), str(rng.randint(10**6, 10**7 - 1))
+    key = rng.choice(["apple", "river", "lantern", "violet", "harbor", "falcon"])
+    value = str(rng.randint(10**6, 10**7 - 1))
     haystack = [NOISE] * (tokens // 23)
     haystack.insert(len(haystack) // 2, f"One of the special magic numbers for {key} is: {value}.")
     question = (f"Some special magic numbers are hidden within the following text. Make sure to memorize it. I will "

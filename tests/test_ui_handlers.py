@@ -123,3 +123,16 @@ def test_tier_map_codes_follow_the_events():
     html = plots.prompt_html(view, "q", 0)
     assert 'title="sink"' in html and 'title="evicted"' in html
     assert "layout" not in json.loads(fig.to_json())["layout"]["template"]  # template="none": small payloads
+
+
+def test_diagnostics_of_a_stored_run(studio):
+    from ui.handlers import diagnose_session
+
+    final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=32)))[-1]
+    table = diagnose_session(studio, final.session_id)
+    row = next(line for line in table.splitlines() if line.startswith("| qevict |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert len(cells) == 9 and all(c != "" for c in cells)
+    fmm, fmm_fp = float(cells[0]), float(cells[1])
+    assert 0 <= fmm <= fmm_fp <= 1
+    assert "No such session" in diagnose_session(studio, "nope")

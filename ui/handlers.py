@@ -96,8 +96,8 @@ class Studio:
         context = getattr(self.model.config, "max_position_embeddings", None)
         total = input_ids.shape[1] + req.sampling.max_new_tokens
         if context and total > context:
-            raise ValueError(f"The prompt is {input_ids.shape[1]} tokens; with {req.sampling.max_new_tokens} new tokens "
-                             f"that is {total}, beyond the model's context of {context}. Shorten it.")
+            raise ValueError(f"The prompt is {input_ids.shape[1]} tokens; with {req.sampling.max_new_tokens} new "
+                             f"tokens that is {total}, beyond the model's context of {context}. Shorten it.")
         lanes = []
         for name, method in zip(lane_names(req.methods), req.methods):
             try:
@@ -156,6 +156,49 @@ class Studio:
             if step is None or event.get("step", 0) <= step:
                 view.apply(event)
         return view, last
+
+
+DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "fmm_fp_only"), ("churn", "churn"),
+                      ("QSA", "qsa"), ("R_Q", "r_q")]
+
+
+def diagnose_session(studio: Studio, session_id: str) -> str:
+    """The paper's diagnostics for every routed lane of a stored run, against FullKV attention over that lane's
+    own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU)."""
+    import math
+
+    from qevict_core import diagnostics as dg
+
+    meta = studio.store.get(session_id or "")
+    if meta is None:
+        return f"**No such session:** `{session_id}`"
+    view = RunView(meta["request"])
+    for event in studio.store.events(session_id):
+        view.apply(event)
+    lanes = view.routed_lanes()
+    if not lanes:
+        return "This run has no routed lane (QEvict or its ablations): nothing to diagnose."
+    prompt = studio.encode(meta["prompt"])
+    config, sampling = meta["request"]["config"], meta["request"]["sampling"]
+    max_length = prompt.shape[1] + sampling["max_new_tokens"]
+    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ quantized", "μ evicted", "LIR"]
+    header = "| lane | " + " | ".join(columns) + " |"
+    rows = [header, "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
+    for name in lanes:
+        lane = view.lanes[name]
+        if len(lane.tokens) < 2:
+            continue
+        sequence = torch.cat([prompt, torch.tensor([lane.tokens[:-1]])], dim=1)
+        traces = dg.reference_traces(studio.model, sequence.to(next(studio.model.parameters()).device),
+                                     prompt.shape[1])
+        omega, sinks = int(config["omega"]), int(config["sinks"])
+        result = dg.diagnose(traces, view.routing[name], prompt.shape[1], sinks, omega,
+                             math.ceil((max_length - sinks) / omega), int(lane.summary.get("k_full", 1)))
+        cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
+        cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]
+        rows.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I): "
+            "lower FMM is better; QSA near 1 means the low-bit scores rank like full precision.\n\n" + "\n".join(rows))
 
 
 def summarize(view: RunView) -> dict:

@@ -15,7 +15,7 @@ from qevict_core.registry import METHODS
 from . import plots
 from .examples import EXAMPLES
 from .gpu import GPU
-from .handlers import NO_LANE, Studio, parse_request
+from .handlers import NO_LANE, Studio, diagnose_session, parse_request
 from .view import RunView
 
 DEFAULTS = QEvictConfig()
@@ -25,6 +25,11 @@ baseline and QEvict, which keeps important windows in full precision, a broad mi
 back, and evicts the rest. Every run is saved and can be replayed or shared by link."""
 THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "monospace"])
+
+
+def methods_markdown() -> str:
+    rows = [f"| `{name}` | {spec.description} | {spec.reference} |" for name, spec in METHODS.items()]
+    return "| method | keeps | follows |\n|---|---|---|\n" + "\n".join(rows)
 
 
 def map_lane(view: RunView | None) -> str | None:
@@ -70,16 +75,21 @@ def build_demo(studio: Studio) -> gr.Blocks:
                             lane1 = gr.Dropdown(method_choices, value="fullkv", label="Lane 1", elem_id="lane1")
                             lane2 = gr.Dropdown(method_choices, value="snapkv", label="Lane 2", elem_id="lane2")
                             lane3 = gr.Dropdown(method_choices, value="qevict", label="Lane 3", elem_id="lane3")
+                        with gr.Accordion("What each method keeps", open=False):
+                            gr.Markdown(methods_markdown(), elem_id="methods")
                         budget = gr.Slider(0.02, 1.0, value=DEFAULTS.budget, step=0.01, label="KV budget (fraction of "
                                            "FullKV bytes)", elem_id="budget")
                         max_new = gr.Slider(1, 512, value=64, step=1, label="Max new tokens", elem_id="max-new")
                         with gr.Accordion("QEvict settings", open=False):
                             with gr.Row():
-                                omega = gr.Slider(1, 64, value=DEFAULTS.omega, step=1, label="Ω (window, routing interval)")
-                                q_frac = gr.Slider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05, label="q (quantized share)")
+                                omega = gr.Slider(1, 64, value=DEFAULTS.omega, step=1,
+                                                  label="Ω (window, routing interval)")
+                                q_frac = gr.Slider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
+                                                   label="q (quantized share)")
                             with gr.Row():
                                 bits = gr.Radio([2, 4], value=DEFAULTS.bits, label="bits")
-                                scorer = gr.Dropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer, label="scorer")
+                                scorer = gr.Dropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer,
+                                                     label="scorer")
                                 promotion = gr.Checkbox(value=DEFAULTS.promotion, label="promotion")
                             with gr.Row():
                                 sinks = gr.Number(value=DEFAULTS.sinks, precision=0, label="sinks")
@@ -111,11 +121,14 @@ def build_demo(studio: Studio) -> gr.Blocks:
                 timer = gr.Timer(0.4, active=False)
                 replay_lanes = gr.HTML(elem_id="replay-lanes")
                 replay_stats = gr.Dataframe(headers=plots.STATS_HEADERS, interactive=False, elem_id="replay-stats")
-                replay_layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer", elem_id="replay-layer")
+                replay_layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer",
+                                         elem_id="replay-layer")
                 with gr.Row():
                     replay_tier = gr.Plot(label="Tier map", elem_id="replay-tier-map")
                     replay_heat = gr.Plot(label="Cumulative scores", elem_id="replay-heatmap")
                 replay_prompt = gr.HTML(elem_id="replay-prompt-tiers")
+                diagnose_btn = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
+                diagnostics_out = gr.Markdown(elem_id="replay-diagnostics")
             with gr.Tab("Sessions", id="sessions"):
                 refresh_btn = gr.Button("Refresh", elem_id="sessions-refresh")
                 sessions_table = gr.Dataframe(headers=["id", "created", "status", "lanes", "prompt"], interactive=False,
@@ -204,6 +217,13 @@ def build_demo(studio: Studio) -> gr.Blocks:
             return (*outputs, gr.Timer(active=nxt < last))
 
         timer.tick(tick, [replay_id, step, replay_layer], [*replay_outputs, timer], api_visibility="private")
+
+        @GPU(duration=120)
+        def run_diagnostics(session_id):
+            return diagnose_session(studio, (session_id or "").strip())
+
+        diagnose_btn.click(run_diagnostics, replay_id, diagnostics_out, concurrency_id="gpu", concurrency_limit=1,
+                           api_visibility="private")
 
         # -- sessions -------------------------------------------------------------------------------------------
         def list_sessions():

@@ -140,7 +140,8 @@ def lanes_html(view: RunView) -> str:
             f'<div class="qe-lane" data-lane="{html.escape(lane.name)}" style="flex:1;min-width:220px;border:1px solid '
             f'#d1d5db;border-radius:8px;padding:8px"><div><b>{html.escape(lane.name)}</b></div>'
             f'<div class="qe-stats" style="font-size:12px;color:#4b5563">{stats}</div>'
-            f'<div class="qe-text" style="white-space:pre-wrap;overflow-wrap:anywhere;margin-top:6px">{html.escape(lane.text)}</div></div>')
+            f'<div class="qe-text" style="white-space:pre-wrap;overflow-wrap:anywhere;margin-top:6px">'
+            f'{html.escape(lane.text)}</div></div>')
     return f'<div style="display:flex;gap:10px;flex-wrap:wrap">{"".join(cards)}</div>'
 
 

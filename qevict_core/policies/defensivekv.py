@@ -17,7 +17,8 @@ class DefensiveKV(Policy):
     """
 
     label = "DefensiveKV"
-    description = "Max-aggregated window attention, value-weighted, with a protected high-mass prefix; per-head budgets."
+    description = ("Max-aggregated window attention, value-weighted, with a protected high-mass prefix; "
+                   "per-head budgets.")
     reference = "Feng et al. ICLR 2026; FFY0/DefensiveKV efficient_defensivekv_press.py"
     ragged = True
 
