@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("sink", "recent", "full", "quantized", "evicted")
 
 
 @dataclass

@@ -3,7 +3,6 @@ event stream, and rebuild views of stored sessions. ``ui/layout.py`` only wires 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -208,7 +207,3 @@ def summarize(view: RunView) -> dict:
                              "demotions": lane.demotions, "evictions": lane.evictions,
                              "agreement": agreement.get(name, (None, None))[0]}
                       for name, lane in view.lanes.items()}}
-
-
-def export_json(store: SessionStore, session_id: str) -> str:
-    return json.dumps(store.export(session_id))
