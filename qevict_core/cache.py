@@ -67,12 +67,8 @@ class QEvictLayer(ReportingLayer):
         self.qbuf = self.qlse = None  # queries since the last routing event (and their LSEs, kernel path)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_length(key_states.shape[2])
+    def append(self, key_states, value_states):
         to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
-        self.seen += key_states.shape[2]
         if to_sinks:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
@@ -84,7 +80,7 @@ class QEvictLayer(ReportingLayer):
             q_keys, q_values = self._dequantized()
             keys.insert(0, q_keys)
             values.insert(0, q_values)
-        return self.returning(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The quantized tier as post-RoPE keys and values in the model dtype (a transient copy)."""

@@ -25,6 +25,20 @@ class ReportingLayer(CacheLayerMixin):
         self.owner = owner
         self.seen = 0
 
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store new tokens (B, H, n, D) and return what attention must see (or the new states as a handle for
+        layers whose ``attend`` reads their own stores)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_length(key_states.shape[2])
+        keys, values = self.append(key_states, value_states)
+        self.seen += key_states.shape[2]
+        return self.returning(keys, values)
+
+    @abstractmethod
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the tokens at positions ``seen ..``; -> what ``update`` returns."""
+
     @abstractmethod
     def resident_bytes(self) -> dict[str, int]:
         """nbytes of every persistent tensor, by component."""

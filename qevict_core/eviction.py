@@ -61,11 +61,7 @@ class EvictionLayer(ReportingLayer):
         self.pending = None
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_length(key_states.shape[2])
-        self.seen += key_states.shape[2]
+    def append(self, key_states, value_states):
         for h in range(len(self.keys)):
             self.keys[h] = torch.cat([self.keys[h], key_states[:, h]], dim=1)
             self.values[h] = torch.cat([self.values[h], value_states[:, h]], dim=1)
@@ -73,7 +69,7 @@ class EvictionLayer(ReportingLayer):
                 self.acc[h] = torch.cat([self.acc[h], self.acc[h].new_zeros(key_states.shape[0],
                                                                             key_states.shape[2])], dim=1)
         # Attention reads the per-head stores; the new states only identify this call.
-        return self.returning(key_states, value_states)
+        return key_states, value_states
 
     def _stacked(self):
         if len({k.shape[1] for k in self.keys}) != 1:

@@ -16,14 +16,10 @@ class FullKVLayer(ReportingLayer):
         self.values = value_states[:, :, :0]
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_length(key_states.shape[2])
-        self.seen += key_states.shape[2]
+    def append(self, key_states, value_states):
         self.keys = torch.cat([self.keys, key_states], dim=2)
         self.values = torch.cat([self.values, value_states], dim=2)
-        return self.returning(self.keys, self.values)
+        return self.keys, self.values
 
     def resident_bytes(self) -> dict[str, int]:
         return {"full": self.keys.nbytes + self.values.nbytes} if self.is_initialized else {}

@@ -31,11 +31,7 @@ class KIVILayer(ReportingLayer):
         self.k_res, self.v_res = empty, empty
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_length(key_states.shape[2])
-        self.seen += key_states.shape[2]
+    def append(self, key_states, value_states):
         bits, residual, g, gv = self.owner.bits, self.owner.residual, self.owner.group, self.value_group
         # Attention sees what was stored before this call plus this call's tokens in full precision (as the
         # official code and transformers' QuantizedCache do: a prompt is attended unquantized).
@@ -60,7 +56,7 @@ class KIVILayer(ReportingLayer):
             self.v_codes = torch.cat([self.v_codes, pack(codes.reshape(b, h, t, d), bits)], dim=2)
             self.v_scale = torch.cat([self.v_scale, scale.squeeze(4)], dim=2)
             self.v_min = torch.cat([self.v_min, lo.squeeze(4)], dim=2)
-        return self.returning(keys, values)
+        return keys, values
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, t, _ = self.k_codes.shape

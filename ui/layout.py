@@ -55,6 +55,19 @@ def share_markdown(session_id: str, token: str, request: gr.Request | None) -> s
             f"`{token}`")
 
 
+def view_panel(prefix: str, layers: int) -> tuple:
+    """What a run looks like, live (Run tab) or replayed: lanes, stats, layer picker, tier map, scores, prompt."""
+    lanes = gr.HTML(elem_id=f"{prefix}lanes")
+    stats = gr.Dataframe(headers=plots.STATS_HEADERS, interactive=False, elem_id=f"{prefix}stats")
+    layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer shown in the tier map",
+                      elem_id=f"{prefix}layer")
+    with gr.Row():
+        tier = gr.Plot(label="Tier map", elem_id=f"{prefix}tier-map")
+        heat = gr.Plot(label="Cumulative scores", elem_id=f"{prefix}heatmap")
+    prompt = gr.HTML(elem_id=f"{prefix}prompt-tiers")
+    return lanes, stats, layer, tier, heat, prompt
+
+
 def build_demo(studio: Studio) -> gr.Blocks:
     live: dict[str, RunView] = {}  # per browser session, server side (engine objects must not be deep-copied)
     replays: dict[str, tuple[str, int]] = {}
@@ -100,14 +113,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", elem_id="stop")
                 status = gr.Markdown(elem_id="status")
-                lanes_out = gr.HTML(elem_id="lanes")
-                stats = gr.Dataframe(headers=plots.STATS_HEADERS, interactive=False, elem_id="stats")
-                layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer shown in the tier map",
-                                  elem_id="layer")
-                with gr.Row():
-                    tier_plot = gr.Plot(label="Tier map", elem_id="tier-map")
-                    heat_plot = gr.Plot(label="Cumulative scores", elem_id="heatmap")
-                prompt_view = gr.HTML(elem_id="prompt-tiers")
+                lanes_out, stats, layer, tier_plot, heat_plot, prompt_view = view_panel("", layers)
                 share = gr.Markdown(elem_id="share")
             with gr.Tab("Replay", id="replay"):
                 with gr.Row():
@@ -119,14 +125,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
                     play_btn = gr.Button("Play", elem_id="replay-play", scale=1)
                     pause_btn = gr.Button("Pause", elem_id="replay-pause", scale=1)
                 timer = gr.Timer(0.4, active=False)
-                replay_lanes = gr.HTML(elem_id="replay-lanes")
-                replay_stats = gr.Dataframe(headers=plots.STATS_HEADERS, interactive=False, elem_id="replay-stats")
-                replay_layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer",
-                                         elem_id="replay-layer")
-                with gr.Row():
-                    replay_tier = gr.Plot(label="Tier map", elem_id="replay-tier-map")
-                    replay_heat = gr.Plot(label="Cumulative scores", elem_id="replay-heatmap")
-                replay_prompt = gr.HTML(elem_id="replay-prompt-tiers")
+                replay_lanes, replay_stats, replay_layer, replay_tier, replay_heat, replay_prompt = \
+                    view_panel("replay-", layers)
                 diagnose_btn = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
                 diagnostics_out = gr.Markdown(elem_id="replay-diagnostics")
             with gr.Tab("Sessions", id="sessions"):
