@@ -5,19 +5,23 @@ measured in the same process.
         --new-tokens 64 --repeats 3 --threads 1
     python -m bench.speed --device cuda --model random:llama-8b --contexts 8192,16384 --batch 8   # on a GPU
 
-Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times; medians are reported.
-TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N / (t_end - t_start).
-Peak memory: on CPU the process RSS above its level before the run (sampled every 2 ms) and the cache's own peak
-bytes; on a GPU ``torch.cuda.max_memory_allocated``. This machine is shared and noisy: pin threads and say so.
+Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
+are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
+(t_end - t_start). Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
+process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
+its level after loading the model and warming up, sampled every 2 ms. KV bytes are the cache's measured bytes
+(``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -104,6 +108,26 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
             "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"]}
 
 
+def measure(args, model, tokenizer, device, method: str, budget: float | None, context: int) -> dict:
+    """One timed run; on CPU in a fresh process so that its peak memory is its own."""
+    if device.type == "cuda":
+        return warm_then_run(model, tokenizer, method, budget, context, args.batch, args.new_tokens)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_isolated_run, args.model, args.threads, method, budget, context, args.batch,
+                           args.new_tokens).result()
+
+
+def _isolated_run(model_name, threads, method, budget, context, batch, new_tokens) -> dict:
+    model, tokenizer, _ = load(model_name, "cpu", threads)
+    return warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens)
+
+
+def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens) -> dict:
+    prompt = prompt_ids(tokenizer, model, context, batch, next(model.parameters()).device)
+    one_run(model, "fullkv", None, prompt[:, :min(context, 256)], 4)  # warm-up
+    return one_run(model, method, budget, prompt, new_tokens)
+
+
 def prompt_ids(tokenizer, model, length: int, batch: int, device) -> torch.Tensor:
     if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
         generator = torch.Generator().manual_seed(length)
@@ -137,18 +161,18 @@ def main(argv=None) -> None:
              if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
-        prompt = prompt_ids(tokenizer, model, context, args.batch, device)
-        one_run(model, "fullkv", None, prompt[:, :min(context, 256)], 4)  # warm-up
-        results = {}
-        for method, budget in lanes:
-            try:
-                runs = [one_run(model, method, budget, prompt, args.new_tokens) for _ in range(args.repeats)]
-            except (ValueError, torch.cuda.OutOfMemoryError) as err:
-                print(f"skip {method} at {context}: {err}")
-                continue
-            results[method] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"{context:>6} {method:18s} " + " ".join(f"{k}={v:.4g}" for k, v in results[method].items()),
-                  flush=True)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):
+            for method, budget in lanes:  # interleaved, so drifting machine load hits every method alike
+                try:
+                    result = measure(args, model, tokenizer, device, method, budget, context)
+                except (ValueError, torch.cuda.OutOfMemoryError) as err:
+                    print(f"skip {method} at {context}: {err}")
+                    continue
+                runs.setdefault(method, []).append(result)
+        results = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+        for method, res in results.items():
+            print(f"{context:>6} {method:18s} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
         base = results.get("fullkv")
         for method, res in results.items():
             ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
