@@ -31,27 +31,33 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
         cells[(r["method"], r["budget"], r["task"], r["length"])].append(r)
     columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (c[1], c[0]))
     lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
-    header = ["method", "KV ratio (measured)"] + [f"{t} {n // 1024}K" for t, n in columns] + ["avg", "n"]
+    lengths = sorted({n for _, n in columns})
+    header = (["method", "KV ratio (measured)"] + [f"{t} {n // 1024}K" for t, n in columns]
+              + [f"avg {n // 1024}K (samples)" for n in lengths])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     points = []
     for method, budget in lanes:
-        scores, ratios, counts = [], [], []
+        scores, ratios = [], []
         for task, length in columns:
             group = cells.get((method, budget, task, length), [])
             scores.append(100 * mean(r["score"] for r in group) if group else None)
             ratios += [r["kv_ratio"] for r in group]
-            counts.append(len(group))
-        valid = [s for s in scores if s is not None]
-        avg = mean(valid) if valid else None
+        # Per length, every sample counts once: the tasks have equal sample counts in a finished sweep.
+        per_length = [[r["score"] for (t, n) in columns if n == length
+                       for r in cells.get((method, budget, t, n), [])] for length in lengths]
+        averages = [100 * mean(s) if s else None for s in per_length]
         ratio = mean(ratios) if ratios else float("nan")
-        points.append((method, budget, ratio, avg))
+        valid = [a for a in averages if a is not None]
+        points.append((method, budget, ratio, mean(valid) if valid else None))
         lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}"]
                                        + [f"{s:.1f}" if s is not None else "—" for s in scores]
-                                       + [f"{avg:.1f}" if avg is not None else "—", str(min(counts))]) + " |")
+                                       + [f"{a:.1f} ({len(s)})" if a is not None else "—"
+                                          for a, s in zip(averages, per_length)]) + " |")
     out.mkdir(parents=True, exist_ok=True)
     table = out / "ruler_table.md"
     table.write_text("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
-                     "the end of generation; n: samples per cell (minimum over columns).\n\n" + "\n".join(lines) + "\n")
+                     "the end of generation; avg: mean over every sample of that length (sample count in brackets).\n\n"
+                     + "\n".join(lines) + "\n")
     pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
     return table
 

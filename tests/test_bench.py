@@ -64,6 +64,8 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     assert len(read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))) == len(rows)
     table = (tmp_path / "ruler_table.md").read_text()
     assert "qevict @30%" in table and "fullkv" in table
+    fullkv_row = next(line for line in table.splitlines() if line.startswith("| fullkv "))
+    assert fullkv_row.rstrip(" |").endswith("(4)")  # 1K average over 2 tasks x 2 samples
     assert (tmp_path / "ruler_pareto.png").stat().st_size > 5000
     assert "plotly" in (tmp_path / "ruler_pareto.html").read_text()
 
