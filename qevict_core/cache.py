@@ -188,8 +188,9 @@ class QEvictLayer(ReportingLayer):
             fresh = WindowLedger.quantize(pre_rope, gather_seq(values, tok), ids, omega, owner.config.bits)
             quant = quant.overwrite(slots, need.gather(1, slots), fresh)
         self.quant = quant
-        self.recent_k = self.recent_k[:, :, num_aged * omega:]
-        self.recent_v = self.recent_v[:, :, num_aged * omega:]
+        # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
+        self.recent_k = self.recent_k[:, :, num_aged * omega:].clone()
+        self.recent_v = self.recent_v[:, :, num_aged * omega:].clone()
         self.recent_start += num_aged * omega
         owner.count_moves(decision, n_quant, n_full)
         if old is not None:

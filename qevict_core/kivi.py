@@ -42,7 +42,7 @@ class KIVILayer(ReportingLayer):
         values = torch.cat([past_values, self.v_res], dim=2)
         full_blocks = self.k_res.shape[2] // residual * residual
         if full_blocks:
-            block, self.k_res = self.k_res[:, :, :full_blocks], self.k_res[:, :, full_blocks:]
+            block, self.k_res = self.k_res[:, :, :full_blocks], self.k_res[:, :, full_blocks:].clone()
             b, h, t, d = block.shape
             codes, scale, lo = quantize(block.reshape(b, h, t // g, g, d), bits, dim=3)  # (B, H, T/G, G, D)
             self.k_codes = torch.cat([self.k_codes, pack(codes.reshape(b, h, t, d), bits)], dim=2)
@@ -50,7 +50,7 @@ class KIVILayer(ReportingLayer):
             self.k_min = torch.cat([self.k_min, lo.squeeze(3)], dim=2)
         overflow = self.v_res.shape[2] - residual
         if overflow > 0:
-            old, self.v_res = self.v_res[:, :, :overflow], self.v_res[:, :, overflow:]
+            old, self.v_res = self.v_res[:, :, :overflow], self.v_res[:, :, overflow:].clone()
             b, h, t, d = old.shape
             codes, scale, lo = quantize(old.reshape(b, h, t, d // gv, gv), bits, dim=4)  # (B, H, T, D/G, G)
             self.v_codes = torch.cat([self.v_codes, pack(codes.reshape(b, h, t, d), bits)], dim=2)

@@ -24,14 +24,14 @@ def resident_tensors(layer) -> list[torch.Tensor]:
 
 
 def walked_bytes(cache) -> int:
-    seen, total = set(), 0
+    """Bytes of every storage the layers keep alive: a slice that pins its whole parent counts as the parent."""
+    storages = {}
     for layer in cache.layers:
         for tensor in resident_tensors(layer):
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-            if key not in seen and tensor.numel():
-                seen.add(key)
-                total += tensor.nbytes
-    return total
+            if tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
