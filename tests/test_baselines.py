@@ -146,11 +146,14 @@ def test_ragged_policies_free_memory_per_head():
         cache = make_cache(method, model, QEvictConfig(budget=0.2), max_length=800)
         with torch.inference_mode():
             model(random_prompt(790), cache=cache)
+        lengths = [[k.shape[1] for k in layer.keys] for layer in cache.layers]
+        if method == "adakv":  # near-uniform random attention saturates DefensiveKV's protection: equal counts there
+            assert any(len(set(per_layer)) > 1 for per_layer in lengths), f"{method}: heads kept equal counts"
         layer = cache.layers[0]
         assert layer.resident_bytes()["full"] == sum(k.nbytes + v.nbytes for k, v in zip(layer.keys, layer.values))
-        if method == "adakv":  # near-uniform random attention saturates DefensiveKV's protection: equal counts there
-            lengths = [[k.shape[1] for k in layer.keys] for layer in cache.layers]
-            assert any(len(set(per_layer)) > 1 for per_layer in lengths), f"{method}: heads kept equal counts"
+        assert layer.lengths.tolist() == lengths[0]
+        with pytest.raises(ValueError, match="batch size 1"):
+            make_cache(method, model, QEvictConfig(budget=0.2), max_length=800, batch_size=2)
 
 
 def test_defensivekv_gives_a_concentrated_head_fewer_slots():
