@@ -32,6 +32,13 @@ def setup(model_name: str | None, device: str | None, threads: int | None, dtype
     return model, tokenizer, meta
 
 
+def add_model_args(parser, model_help: str = "bundled SmolLM2 by default; a local HF folder, a hub id or 'tiny'"):
+    """The --model / --device / --threads flags every benchmark takes (see ``setup``)."""
+    parser.add_argument("--model", default=None, help=model_help)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; pin it on shared machines")
+
+
 def run_metadata(model_name: str, device: str) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

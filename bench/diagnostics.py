@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from qevict_core import QEvictConfig, make_cache  # noqa: E402
 from qevict_core import diagnostics as dg  # noqa: E402
 
-from .common import RESULTS, setup  # noqa: E402
+from .common import RESULTS, add_model_args, setup  # noqa: E402
 from .ruler_tasks import essay_sentences  # noqa: E402
 
 CONDITIONS = {"R1": ("r1", {}), "R2": ("r2", {}), "R3": ("qevict", {"omega": 8}), "R4": ("qevict", {"omega": 32})}
@@ -118,9 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--articles", type=int, default=2)
     parser.add_argument("--horizon", type=int, default=32)
     parser.add_argument("--out", default=str(RESULTS / "diagnostics"))
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_args(parser)
     args = parser.parse_args(argv)
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     out = Path(args.out)

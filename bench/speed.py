@@ -29,7 +29,7 @@ import torch
 
 from qevict_core import QEvictConfig, make_cache
 
-from .common import RESULTS, default_device, method_lanes, run_metadata, setup
+from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup
 
 RANDOM_MODELS = {  # shapes of public 7-8B models, random weights: no download needed
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -151,9 +151,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "speed"))
-    parser.add_argument("--model", default=None, help="bundled SmolLM2 by default; random:llama-8b for GPU runs")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_args(parser, "bundled SmolLM2 by default; random:llama-8b for GPU runs")
     args = parser.parse_args(argv)
     model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
     device = next(model.parameters()).device

@@ -70,7 +70,3 @@ def forward_lanes(model, input_ids: torch.Tensor, caches: list[ReportingCache]) 
         logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits.expand(len(caches), -1) if logits.shape[0] == 1 else logits
 
-
-def shared_prefill(model, input_ids: torch.Tensor, caches: list[ReportingCache]) -> torch.Tensor:
-    """Prefill every (fresh) cache with ``input_ids`` (1, T) in one forward; returns (1, vocab) logits."""
-    return forward_lanes(model, input_ids, caches)[:1]
