@@ -6,7 +6,7 @@
     out = model.generate(input_ids, cache=cache, max_new_tokens=..., do_sample=False)
 """
 
-from .budget import KVShape, TierPlan, plan_tiers
+from .budget import BudgetTooSmall, KVShape, TierPlan, plan_tiers
 from .cache import QEvictCache
 from .cache_base import ReportingCache
 from .config import QEvictConfig
@@ -16,7 +16,7 @@ from .models import DEFAULT_MODEL, ModelNotFoundError, load_model
 from .registry import list_methods, make_cache
 
 __all__ = [
-    "DEFAULT_MODEL", "DoneEvent", "KVShape", "Lane", "MemoryEvent", "ModelNotFoundError", "QEvictCache",
-    "QEvictConfig", "ReportingCache", "RoutingEvent", "Sampling", "TierPlan", "TokenEvent", "event_from_dict",
-    "generate_lanes", "list_methods", "load_model", "make_cache", "plan_tiers",
+    "BudgetTooSmall", "DEFAULT_MODEL", "DoneEvent", "KVShape", "Lane", "MemoryEvent", "ModelNotFoundError",
+    "QEvictCache", "QEvictConfig", "ReportingCache", "RoutingEvent", "Sampling", "TierPlan", "TokenEvent",
+    "event_from_dict", "generate_lanes", "list_methods", "load_model", "make_cache", "plan_tiers",
 ]

@@ -63,6 +63,20 @@ def quant_window_bytes(shape: KVShape, omega: int, bits: int) -> int:
     return sum(ledger.nbytes_by_component().values())
 
 
+class BudgetTooSmall(ValueError):
+    """A byte budget below what a method needs to run at all; ``needed_bytes`` is the least it can run with and
+    ``reason`` says in plain words what takes that much."""
+
+    def __init__(self, message: str, needed_bytes: int, reason: str):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.reason = reason
+
+
+def budget_bytes_of(shape: KVShape, cfg: QEvictConfig, max_length: int) -> int:
+    return cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget * shape.fullkv_bytes(max_length))
+
+
 @dataclass(frozen=True)
 class TierPlan:
     """Per-layer capacities for one generation of at most ``max_length`` tokens."""
@@ -76,14 +90,19 @@ class TierPlan:
     fixed_bytes: int  # per layer: sinks, recent region with Ω pending tokens, score table, query buffer
     full_window_bytes: int  # per layer and window, dormant-ledger reservation included when kept
     quant_window_bytes: int
+    # The budget holds every token of max_length uncompressed: no windows, scores or routing, so the cache is
+    # FullKV itself (same attention, same bytes) rather than FullKV plus bookkeeping.
+    uncompressed: bool = False
 
 
 def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer: bool,
                lse_buffer: bool = False) -> TierPlan:
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1 (got {max_length})")
-    budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget * shape.fullkv_bytes(max_length))
+    budget = budget_bytes_of(shape, cfg, max_length)
     num_windows = math.ceil(max(max_length - cfg.sinks, 0) / cfg.omega)
+    if budget >= shape.fullkv_bytes(max_length):
+        return TierPlan(max_length, budget, num_windows, num_windows, 0, False, 0, 0, 0, uncompressed=True)
     # The recent region holds up to recent + Ω - 1 tokens after routing, plus Ω arriving before the next event.
     fp_tokens = min(cfg.sinks + cfg.recent + 2 * cfg.omega - 1, max_length)
     fixed = fp_tokens * shape.token_bytes() + shape.batch * num_windows * SCORE_BYTES
@@ -93,17 +112,16 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer:
         fixed += shape.batch * shape.num_q_heads * cfg.omega * SCORE_BYTES
     hist = budget // shape.num_layers - fixed
     if hist < 0:
-        least = shape.num_layers * fixed
-        raise ValueError(
+        least = min(shape.num_layers * fixed, shape.fullkv_bytes(max_length))
+        raise BudgetTooSmall(
             f"budget of {budget} bytes cannot hold the protected regions: sinks={cfg.sinks}, recent={cfg.recent} and "
             f"Ω={cfg.omega} pending tokens need {least} bytes ({least / shape.fullkv_bytes(max_length):.3f} of the "
-            f"full cache at max_length={max_length}); raise the budget or lower sinks/recent/omega"
-        )
+            f"full cache at max_length={max_length}); raise the budget or lower sinks/recent/omega", least,
+            f"its always-kept tokens ({cfg.sinks} sinks, {cfg.recent} recent and up to {2 * cfg.omega - 1} arriving "
+            f"between routing events) and its window scores need that much")
     m_full = cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
     m_quant = quant_window_bytes(shape, cfg.omega, cfg.bits)
     m_dormant = m_quant + shape.batch * FLAG_BYTES
-    if num_windows * m_full <= hist:  # everything fits in full precision: nothing is compressed
-        return TierPlan(max_length, budget, num_windows, num_windows, 0, False, fixed, m_full, m_quant)
     keeps_dormant = cfg.promotion and cfg.q_frac > 0
     m_f = m_full + (m_dormant if keeps_dormant else 0)
     k_full = math.floor((1 - cfg.q_frac) * hist / m_f)

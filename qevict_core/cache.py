@@ -63,7 +63,8 @@ class QEvictLayer(ReportingLayer):
         self.dormant = ledger if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
         self.recent_start = owner.config.sinks
-        self.scores = torch.zeros(b, owner.plan.num_windows, dtype=torch.float32, device=key_states.device)
+        windows = 0 if owner.plan.uncompressed else owner.plan.num_windows
+        self.scores = torch.zeros(b, windows, dtype=torch.float32, device=key_states.device)
         self.qbuf = self.qlse = None  # queries since the last routing event (and their LSEs, kernel path)
         self.is_initialized = True
 
@@ -92,6 +93,8 @@ class QEvictLayer(ReportingLayer):
         return self.owner.config.sinks, self.owner.config.omega
 
     def attend(self, module, query, key, value, scaling, dropout):
+        if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
+            return sdpa_with_positions(module, query, key, value, scaling, dropout)
         fast = self.owner.kernels and self.owner.step > 0  # the prompt has no quantized tier yet: SDPA
         if fast:
             merged, lse = fast_path.attend(self, query, key, value, scaling)
@@ -289,4 +292,4 @@ class QEvictCache(ReportingCache):
     def summary(self) -> dict:
         promotions, demotions, evictions = self._moves.tolist() if self._moves is not None else (0, 0, 0)
         return {"promotions": promotions, "demotions": demotions, "evictions": evictions,
-                "k_full": self.plan.k_full, "k_quant": self.plan.k_quant}
+                "k_full": self.plan.k_full, "k_quant": self.plan.k_quant, "uncompressed": self.plan.uncompressed}

@@ -6,6 +6,7 @@ ignores the rest, so the studio and the benchmarks can pass one config to any me
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
@@ -51,6 +52,13 @@ class QEvictConfig:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("budget", "q_frac", "decay", "p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number (got {value!r})")
+        if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool)
+                                              or not isinstance(self.budget_bytes, int)):
+            raise ValueError(f"budget_bytes must be an integer number of bytes (got {self.budget_bytes!r})")
         if self.budget_bytes is None and not self.budget > 0:
             raise ValueError(f"budget must be a fraction > 0 of the full KV cache (got {self.budget!r})")
         if self.budget_bytes is not None and not self.budget_bytes > 0:

@@ -6,8 +6,8 @@ Routing events describe batch row 0 (every row is routed; the studio and diagnos
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-
 
 
 @dataclass
@@ -46,7 +46,8 @@ class RoutingEvent:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["admitted"] = {str(k): v for k, v in self.admitted.items()}
-        out["scores"] = {str(k): round(v, 6) for k, v in self.scores.items()}
+        # JSON has no NaN or infinity (stores refuse them): a non-finite score is shown as unknown.
+        out["scores"] = {str(k): round(v, 6) if math.isfinite(v) else None for k, v in self.scores.items()}
         return out
 
 
@@ -59,6 +60,7 @@ class MemoryEvent:
     budget_bytes: int | None
     peak_bytes: int
     components: dict[str, int]
+    tiers: dict[str, int] = field(default_factory=dict)  # tokens per tier (sink ... evicted), mean over layers
     kind: str = "memory"
 
     def to_dict(self) -> dict:

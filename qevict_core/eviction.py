@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import sdpa_with_positions, use_qevict_attention
-from .budget import SCORE_BYTES, ID_BYTES, KVShape
+from .budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
 from .cache_base import ReportingCache, ReportingLayer
 from .config import QEvictConfig
 from .policies.base import Policy, ScoreInputs
@@ -33,15 +33,19 @@ class EvictionPlan:
 
 
 def plan_eviction(shape: KVShape, cfg: QEvictConfig, policy: Policy, max_length: int) -> EvictionPlan:
-    budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget * shape.fullkv_bytes(max_length))
+    budget = budget_bytes_of(shape, cfg, max_length)
     per_token = 2 * shape.batch * shape.head_dim * shape.element_size
     if policy.scores_from == "all":
         per_token += shape.batch * SCORE_BYTES
     fixed = shape.num_kv_heads * ID_BYTES if policy.ragged else 0
     capacity = max(0, budget // shape.num_layers - fixed) // (shape.num_kv_heads * per_token)
-    if capacity < policy.min_capacity():
-        raise ValueError(f"budget of {budget} bytes holds {capacity} tokens per head; {policy.label} needs at least "
-                         f"{policy.min_capacity()}: raise the budget")
+    # A sequence that fits whole is never compressed, so the policy's own minimum does not apply to it.
+    least = min(policy.min_capacity(), max_length)
+    if capacity < least:
+        needed = shape.num_layers * (fixed + least * shape.num_kv_heads * per_token)
+        raise BudgetTooSmall(f"budget of {budget} bytes holds {capacity} tokens per head; {policy.label} needs at "
+                             f"least {least} ({needed} bytes): raise the budget", needed,
+                             f"it keeps at least {least} tokens per head")
     return EvictionPlan(budget, capacity)
 
 

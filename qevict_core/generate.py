@@ -8,6 +8,7 @@ generated. ``model.generate(..., cache=...)`` works with the same caches; a test
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -32,8 +33,8 @@ class Sampling:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, 0 = greedy (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1] (got {self.top_p})")
 
@@ -132,4 +133,11 @@ def _lane_events(lane: Lane, step: int, token: int, seconds: float, tokenizer) -
     report = lane.cache.memory_report()
     yield MemoryEvent(lane=lane.name, step=step, total_bytes=report["total_bytes"],
                       fullkv_bytes=report["fullkv_bytes"], budget_bytes=report["budget_bytes"],
-                      peak_bytes=report["peak_bytes"], components=report["components"])
+                      peak_bytes=report["peak_bytes"], components=report["components"],
+                      tiers=mean_tier_counts(lane.cache))
+
+
+def mean_tier_counts(cache: ReportingCache) -> dict[str, int]:
+    """Tokens per tier in one layer, averaged over layers: the same unit for every method."""
+    layers = cache.tier_counts()
+    return {tier: round(sum(layer[tier] for layer in layers) / len(layers)) for tier in layers[0]}

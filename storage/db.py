@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ class SessionRow(Base):
     delete_token_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
-    status: Mapped[str] = mapped_column(String(16))  # running, done, stopped, error
+    status: Mapped[str] = mapped_column(String(16))  # see store.STATUSES
     title: Mapped[str] = mapped_column(String(200))
     prompt: Mapped[str] = mapped_column(Text)
     request: Mapped[dict[str, Any]]
@@ -39,7 +41,8 @@ class SessionRow(Base):
 
 class EventRow(Base):
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_session_step", "session_id", "step"),)
+    __table_args__ = (Index("ix_events_session_step", "session_id", "step"),
+                      Index("ux_events_session_seq", "session_id", "seq", unique=True))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
@@ -64,7 +67,9 @@ def make_engine(url: str | None = None) -> Engine:
             path = url.split("///", 1)[-1]
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             kwargs = {"connect_args": {"check_same_thread": False}}
-    engine = create_engine(url, **kwargs)
+    # JSON has no NaN or infinity; writing one would make the row unreadable to SQL json functions and strict
+    # readers, so the serializer refuses it and the write fails where the bad value was produced.
+    engine = create_engine(url, json_serializer=partial(json.dumps, allow_nan=False), **kwargs)
     if url.startswith("sqlite"):
         event.listen(engine, "connect", _sqlite_pragmas)
     Base.metadata.create_all(engine)

@@ -35,3 +35,21 @@ def smollm2():
 def random_prompt(length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, length), generator=generator)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL server (Debian's postgresql package) on a free loopback port: -> a URL prefix."""
+    from tests.postgres import start_postgres
+
+    server = start_postgres()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """A fresh, empty database of each kind the studio supports."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/sessions.sqlite"
+    return request.getfixturevalue("postgres_server").new_database()

@@ -76,3 +76,46 @@ def test_int4_holds_fewer_windows_than_int2():
     int4 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=4), max_length=2000).plan
     assert int4.quant_window_bytes > int2.quant_window_bytes
     assert int4.k_quant < int2.k_quant
+
+
+def test_a_budget_that_holds_everything_runs_qevict_as_fullkv():
+    """The studio's short prompts at budget 1.0: QEvict (and its ablations) give FullKV's tokens at FullKV's bytes."""
+    model = tiny_model("llama", 2)
+    prompt, new = random_prompt(30), 40
+    methods = ["fullkv", "qevict", "qevict_nopromo", "r1", "r2"]
+    lanes = [Lane(m, make_cache(m, model, QEvictConfig(budget=1.0), max_length=30 + new)) for m in methods]
+    for event in generate_lanes(model, _Tok(), prompt, lanes, Sampling(max_new_tokens=new)):
+        if event.kind == "memory":
+            assert event.total_bytes <= event.fullkv_bytes
+        assert event.kind != "routing"
+    assert all(lane.tokens == lanes[0].tokens for lane in lanes)
+    for lane in lanes[1:]:
+        assert lane.cache.summary()["uncompressed"]
+        assert all(t["quantized"] == t["evicted"] == 0 for t in lane.cache.tier_counts())
+
+
+@pytest.mark.parametrize("method", ["qevict", "r1", "snapkv", "h2o", "streamingllm", "adakv", "layer_defensivekv"])
+def test_a_refused_budget_names_the_least_that_runs(method):
+    from qevict_core import BudgetTooSmall
+
+    model = tiny_model("llama", 2)
+    with pytest.raises(BudgetTooSmall) as refused:
+        make_cache(method, model, QEvictConfig(budget=0.01), max_length=120)
+    needed = refused.value.needed_bytes
+    cache = make_cache(method, model, QEvictConfig(budget_bytes=needed), max_length=120)
+    assert cache.budget_bytes == needed <= cache.shape.fullkv_bytes(120)
+    with pytest.raises(BudgetTooSmall):
+        make_cache(method, model, QEvictConfig(budget_bytes=needed - model.config.num_hidden_layers), max_length=120)
+    lane = Lane(method, cache)
+    for event in generate_lanes(model, _Tok(), random_prompt(100), [lane], Sampling(max_new_tokens=20)):
+        if event.kind == "memory":
+            assert event.total_bytes <= needed
+    assert lane.done == "length"
+
+
+def test_a_sequence_shorter_than_a_policys_window_is_not_refused():
+    model = tiny_model("llama", 2)
+    cache = make_cache("snapkv", model, QEvictConfig(budget=1.0), max_length=20)  # SnapKV's window is 32
+    lane = Lane("snapkv", cache)
+    list(generate_lanes(model, _Tok(), random_prompt(10), [lane], Sampling(max_new_tokens=10)))
+    assert cache.summary()["evictions"] == 0 and len(lane.tokens) == 10

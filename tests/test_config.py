@@ -17,6 +17,11 @@ from tests.conftest import tiny_model
     ({"sinks": -1}, "sinks must be an integer >= 0"),
     ({"recent": -2}, "recent must be an integer >= 0"),
     ({"scorer": "magic"}, "scorer must be one of .*cumulative.*decay.*pnorm.*keynorm"),
+    ({"budget": float("nan")}, "budget must be a finite number"),
+    ({"budget": float("inf")}, "budget must be a finite number"),
+    ({"q_frac": float("nan")}, "q_frac must be a finite number"),
+    ({"budget": "0.2"}, "budget must be a finite number"),
+    ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
 ])
 def test_bad_config_raises_with_allowed_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -48,3 +53,11 @@ def test_cache_refuses_tokens_beyond_max_length():
     cache = make_cache("qevict", model, QEvictConfig(budget=1.5), max_length=20)
     with pytest.raises(ValueError, match="sized for max_length=20"):
         model(torch.zeros(1, 21, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_sampling_rejects_non_finite_or_negative_temperature(temperature):
+    from qevict_core import Sampling
+
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        Sampling(temperature=temperature)

@@ -1,39 +1,69 @@
-"""SessionStore: round trips, deletion rights, unguessable ids, SQLite settings."""
+"""SessionStore on SQLite and on a real PostgreSQL server: round trips, deletion rights, unguessable ids, imports
+validated and applied atomically, crash recovery, and no listing of sessions a caller does not name."""
+
+import copy
+import json
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import StatementError
 
+from qevict_core import QEvictConfig
 from storage import SessionStore, make_engine
+from storage.db import EventRow, SessionRow
+
+REQUEST = {"model": "tiny", "lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "qevict", "method": "qevict"}],
+           "config": QEvictConfig().to_dict(), "sampling": {"max_new_tokens": 8, "temperature": 0.0, "seed": 0},
+           "prompt_length": 3, "prompt_tokens": ["a", "b", "c"], "prompt_span": [0, 3]}
+EVENTS = [{"kind": "token", "lane": lane, "step": i, "token_id": i, "text": f"t{i}", "seconds": 0.1}
+          for i in range(5) for lane in ("fullkv", "qevict")]
 
 
 @pytest.fixture
-def store(tmp_path):
-    return SessionStore(make_engine(f"sqlite:///{tmp_path}/sessions.sqlite"))
+def store(database_url):
+    return SessionStore(make_engine(database_url))
 
 
-EVENTS = [{"kind": "token", "lane": "a", "step": i, "token_id": i, "text": f"t{i}", "seconds": 0.1} for i in range(5)]
+def export_doc(**session_changes):
+    return {"format": "qevict-session/1", "session": {"prompt": "a prompt", "request": copy.deepcopy(REQUEST),
+                                                       **session_changes}, "events": copy.deepcopy(EVENTS)}
+
+
+def count_rows(store):
+    with store.engine.connect() as conn:
+        return (conn.scalar(select(func.count()).select_from(SessionRow)),
+                conn.scalar(select(func.count()).select_from(EventRow)))
 
 
 def test_save_load_export_import_round_trip(store):
-    sid, token = store.create("prompt <b>text</b>", {"lanes": [{"name": "a", "method": "fullkv"}], "config": {}})
+    sid, token = store.create("prompt <b>text</b>", REQUEST)
     assert store.get(sid)["status"] == "running"
     store.append(sid, EVENTS[:3])
     store.append(sid, EVENTS[3:])
-    store.finish(sid, "done", {"lanes": {"a": {"tokens": 5}}})
+    store.finish(sid, "done", {"lanes": {}})
     assert store.events(sid) == EVENTS
-    assert store.events(sid, upto_step=2) == EVENTS[:3]
-    exported = store.export(sid)
-    new_id, new_token = store.import_session(exported)
+    assert store.events(sid, upto_step=1) == EVENTS[:4]
+    exported = json.loads(json.dumps(store.export(sid)))
+    new_id, new_token = store.import_session(json.dumps(exported).encode())
     assert new_id != sid and new_token != token
     again = store.export(new_id)
     assert again["events"] == exported["events"]
-    for key in ("prompt", "request", "status", "summary", "title"):
-        assert again["session"][key] == exported["session"][key]
-    assert [s["id"] for s in store.list()] == [new_id, sid]
+    assert again["session"]["prompt"] == exported["session"]["prompt"]
+    assert again["session"]["request"] == exported["session"]["request"]
+    assert again["session"]["status"] == "imported"  # never "running", whatever the file said
+    assert [s["id"] for s in store.owned([sid, new_id])] == [new_id, sid]
+
+
+def test_only_named_sessions_are_listed(store):
+    mine = store.create("mine", REQUEST)[0]
+    store.create("someone else's", REQUEST)
+    assert [s["title"] for s in store.owned([mine, "made-up-id", 5])] == ["mine"]
+    assert store.owned([]) == []
+    assert not hasattr(store, "list")  # nothing enumerates every session
 
 
 def test_delete_needs_the_creators_token(store):
-    sid, token = store.create("p", {})
+    sid, token = store.create("p", REQUEST)
     store.append(sid, EVENTS)
     assert not store.delete(sid, "")
     assert not store.delete(sid, "wrong")
@@ -44,26 +74,81 @@ def test_delete_needs_the_creators_token(store):
 
 
 def test_ids_are_unguessable(store):
-    ids = {store.create("p", {})[0] for _ in range(50)}
+    ids = {store.create("p", REQUEST)[0] for _ in range(50)}
     assert len(ids) == 50
     assert all(len(i) >= 22 for i in ids)  # 16 random bytes, url-safe base64 = 128 bits
 
 
-def test_import_rejects_what_is_not_an_export(store):
-    with pytest.raises(ValueError, match="not a QEvict session export"):
-        store.import_session({"format": "other"})
-    with pytest.raises(ValueError, match="missing its prompt or events"):
-        store.import_session({"format": "qevict-session/1", "session": {}, "events": []})
-    assert store.list() == []
+POISONED = [
+    # The import that broke every page: a lane name that is not a string, a request missing its parts.
+    ({"format": "qevict-session/1", "session": {"prompt": "x", "request": {
+        "lanes": [{"name": 5, "method": "fullkv"}], "config": {"sinks": 5, "omega": 8}}}, "events": []},
+     "session.request.lanes.0.name"),
+    ({**export_doc(), "events": [1, 2, 3]}, "events.0"),
+    ({**export_doc(), "events": [{**EVENTS[0], "step": "abc"}]}, "events.0.token.step"),
+    ({**export_doc(), "session": "notadict"}, "session"),
+    (export_doc(request={}), "session.request"),
+    ({**export_doc(), "format": "other"}, "format"),
+    ({**export_doc(), "events": [{**EVENTS[0], "lane": "snapkv"}]}, "belongs to lane 'snapkv'"),
+    ({**export_doc(), "events": EVENTS + [{**EVENTS[0], "step": 8}]}, "beyond max_new_tokens=8"),
+    ({**export_doc(), "events": EVENTS + [{**EVENTS[0], "seconds": float("nan")}]}, "finite number"),
+    (export_doc(request={**REQUEST, "lanes": [{"name": "x", "method": "magic"}]}), "unknown method 'magic'"),
+    (export_doc(request={**REQUEST, "config": {"omega": 0}}), "omega must be an integer >= 1"),
+    (export_doc(request={**REQUEST, "sampling": {"max_new_tokens": 8, "temperature": 1e999, "seed": 0}}),
+     "finite number"),
+    (export_doc(prompt=""), "session.prompt"),
+]
 
 
-def test_sqlite_runs_in_wal_mode_with_foreign_keys(store):
-    with store.engine.connect() as conn:
-        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+@pytest.mark.parametrize("doc, message", POISONED, ids=range(len(POISONED)))
+def test_a_bad_import_is_refused_whole_with_a_message(store, doc, message):
+    store.create("already there", REQUEST)
+    before = count_rows(store)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        store.import_session(json.dumps(doc).encode())
+    assert count_rows(store) == before  # nothing half-stored
+
+
+def test_an_import_over_the_size_limit_is_refused(store, monkeypatch):
+    monkeypatch.setenv("QEVICT_IMPORT_MAX_MB", "0.001")  # ~1 KB
+    with pytest.raises(ValueError, match="larger than the import limit"):
+        store.import_session(json.dumps(export_doc()).encode())
+    assert count_rows(store) == (0, 0)
+
+
+def test_sessions_cut_off_by_a_crash_are_marked_interrupted(store):
+    running, _ = store.create("was running", REQUEST)
+    store.append(running, EVENTS[:4])
+    finished, _ = store.create("finished", REQUEST)
+    store.finish(finished, "done", {})
+    assert store.mark_interrupted() == 1
+    assert store.get(running)["status"] == "interrupted" and store.get(finished)["status"] == "done"
+    assert store.events(running) == EVENTS[:4]  # what was written stays replayable
+    # A run still alive on another replica flips back at its next write.
+    store.append(running, EVENTS[4:6])
+    assert store.get(running)["status"] == "running"
+
+
+def test_non_finite_numbers_never_reach_the_database(store):
+    with pytest.raises(ValueError, match="finite number"):
+        store.create("p", {**REQUEST, "sampling": {"max_new_tokens": 8, "temperature": float("nan"), "seed": 0}})
+    sid, _ = store.create("p", REQUEST)
+    with pytest.raises(ValueError, match="malformed events"):
+        store.append(sid, [{**EVENTS[0], "seconds": float("inf")}])
+    with pytest.raises((ValueError, StatementError), match="not JSON compliant"):  # past the schema too
+        store.finish(sid, "done", {"x": float("nan")})
+    assert store.get(sid)["summary"] == {}
 
 
 def test_bad_status_is_refused(store):
-    sid, _ = store.create("p", {})
-    with pytest.raises(ValueError, match="status must be one of"):
-        store.finish(sid, "great", {})
+    sid, _ = store.create("p", REQUEST)
+    for status in ("great", "running", "imported"):
+        with pytest.raises(ValueError, match="a run finishes as one of"):
+            store.finish(sid, status, {})
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path):
+    store = SessionStore(make_engine(f"sqlite:///{tmp_path}/wal.sqlite"))
+    with store.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1

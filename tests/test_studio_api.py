@@ -28,14 +28,22 @@ def test_two_clients_are_queued_and_isolated(tmp_path, monkeypatch):
         out1, out2 = first.result(timeout=300), second.result(timeout=300)
         assert out1[0] == out2[0] == "**Done.**"
         assert len(list(first)) > 2  # it streamed
-        share1, share2 = out1[6], out2[6]
-        assert share1 != share2
+        share1, share2 = out1[-1], out2[-1]
+        assert "/?session=" in share1 and share1 != share2
+        # A refused call is a well-formed result: the reason in the status, an empty table, no share link.
         bad = client.predict(prompt="", **args, api_name="/generate")
-        assert "prompt is empty" in bad[0]
+        assert bad[0] == "**Cannot run:** Prompt: it is empty: write one or pick an example."
+        assert bad[2]["data"] == [] and bad[-1] == ""
+        wrong_layer = client.predict(prompt="hi", **{**args, "layer": 7}, api_name="/generate")
+        assert "layer: must be a whole number from 0 to 2 (got 7" in wrong_layer[0]
     finally:
         demo.close()
-    from storage import SessionStore, make_engine
+    from sqlalchemy import select
 
-    sessions = SessionStore(make_engine(db)).list()
-    assert sorted(s["prompt"][:5] for s in sessions) == ["bonjo", "hello"]
-    assert all(s["status"] == "done" for s in sessions)
+    from storage import make_engine
+    from storage.db import SessionRow
+
+    with make_engine(db).connect() as conn:
+        rows = conn.execute(select(SessionRow.prompt, SessionRow.status)).all()
+    assert sorted(prompt[:5] for prompt, _ in rows) == ["bonjo", "hello"]
+    assert all(status == "done" for _, status in rows)

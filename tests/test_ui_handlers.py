@@ -1,13 +1,18 @@
-"""Studio handlers and plot builders as plain functions (no browser)."""
+"""Studio handlers, the request door and the drawing functions as plain functions (no browser)."""
 
 import json
 
 import pytest
+from sqlalchemy import func, select, update
 
 from storage import SessionStore, make_engine
+from storage.db import EventRow, SessionRow
 from tests.conftest import tiny_chat_model, tiny_tokenizer
-from ui import plots
-from ui.handlers import NO_LANE, Studio, parse_request
+from ui import cards, plots, sessions
+from ui.control import TabRuns
+from ui.examples import EXAMPLES
+from ui.form import NO_LANE, parse_request
+from ui.handlers import Studio, diagnose_session, progress_text
 from ui.view import RunView
 
 SETTINGS = dict(budget=0.3, omega=8, q_frac=0.7, bits=2, sinks=5, recent=32, scorer="cumulative", promotion=True)
@@ -24,13 +29,20 @@ def request(prompt=LONG_PROMPT, methods=("fullkv", "snapkv", "qevict"), max_new=
 
 
 @pytest.mark.parametrize("prompt, methods, overrides, message", [
-    ("", ("qevict",), {}, "prompt is empty"),
-    ("   ", ("qevict",), {}, "prompt is empty"),
+    ("", ("qevict",), {}, "Prompt: it is empty"),
+    ("   ", ("qevict",), {}, "Prompt: it is empty"),
     ("hi", (NO_LANE, NO_LANE), {}, "at least one lane"),
-    ("hi", ("magic",), {}, r"Unknown method.*allowed:.*qevict"),
-    ("hi", ("qevict",), {"q_frac": 2.0}, r"q_frac must lie in \[0, 1\]"),
-    ("hi", ("qevict",), {"bits": 3}, r"bits must be one of \(2, 4\)"),
-    ("hi", ("qevict",), {"scorer": "nope"}, "scorer must be one of"),
+    ("hi", ("magic",), {}, r"unknown method.*allowed:.*qevict"),
+    ("hi", ("qevict",), {"q_frac": 2.0}, r"q \(quantized share\): .*less than or equal to 1 \(got 2.0\)"),
+    ("hi", ("qevict",), {"bits": 3}, r"bits: .*must be one of \(2, 4\) \(got 3\)"),
+    ("hi", ("qevict",), {"scorer": "nope"}, "scorer: .*must be one of"),
+    ("hi", ("qevict",), {"budget": float("nan")}, r"KV budget: Input should be a finite number \(got nan\)"),
+    ("hi", ("qevict",), {"budget": float("inf")}, "KV budget: Input should be a finite number"),
+    ("hi", ("qevict",), {"budget": 1.5}, "KV budget: .*less than or equal to 1"),
+    ("hi", ("qevict",), {"omega": 8.5}, "Ω .*fractional part"),
+    ("hi", ("qevict",), {"omega": "eight"}, "Ω .*valid integer"),
+    ("hi", ("qevict",), {"temperature": float("nan")}, "temperature: Input should be a finite number"),
+    ("x" * 200_001, ("qevict",), {}, "Prompt: .*at most 200000 characters"),
 ])
 def test_bad_input_gives_readable_errors(prompt, methods, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -38,33 +50,76 @@ def test_bad_input_gives_readable_errors(prompt, methods, overrides, message):
 
 
 def test_failures_before_the_run_save_nothing(studio):
-    before = len(studio.store.list())
+    def stored():
+        with studio.store.engine.connect() as conn:
+            return conn.scalar(select(func.count()).select_from(SessionRow))
+
+    before = stored()
     with pytest.raises(ValueError, match="beyond the model's context of 4096"):
         next(studio.run(request("word " * 5000, ("qevict",))))
-    with pytest.raises(ValueError, match="qevict: budget of .* cannot hold the protected regions"):
-        next(studio.run(request("short prompt", ("fullkv", "qevict"), budget=0.05)))
-    assert len(studio.store.list()) == before
+    assert stored() == before
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_example_runs_every_default_lane(studio, name):
+    """No default path ends in "Cannot run": a lane that cannot exist at the chosen budget on a short sequence runs
+    at the least it can, and its note says so in words."""
+    prompt, _ = EXAMPLES[name]()
+    prompt = prompt[:3000]  # the tiny byte-level model has 3 layers and one byte per token
+    req = parse_request(prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 2, 5, 32, "cumulative", True, 64)
+    final = list(studio.run(req))[-1]
+    assert final.status == "done"
+    for lane in final.view.lanes.values():
+        assert len(lane.tokens) == 64
+        assert lane.budget_bytes is None or lane.total_bytes <= lane.budget_bytes
+    specs = {lane["name"]: lane for lane in studio.store.get(final.session_id)["request"]["lanes"]}
+    for name_, lane in final.view.lanes.items():
+        if "budget_bytes" in specs[name_]:
+            assert lane.note.startswith("Runs at ") and "the least this method can run with" in lane.note
+            assert lane.budget_bytes == specs[name_]["budget_bytes"]
+
+
+def test_a_short_prompt_raises_only_the_lanes_that_need_it(studio):
+    input_ids, lanes, spec = studio.prepare(request("Hi!", ("kivi2", "snapkv", "qevict"), budget=0.2, max_new=16))
+    by_name = {lane["name"]: lane for lane in spec["lanes"]}
+    assert "budget_bytes" not in by_name["kivi2"]  # KIVI has no budget to raise
+    assert by_name["snapkv"]["budget_bytes"] > 0.2 * lanes[0].cache.shape.fullkv_bytes(input_ids.shape[1] + 16)
+    assert "keeps at least 33 tokens per head" in by_name["snapkv"]["note"]
 
 
 def test_run_streams_persists_and_replays_identically(studio):
     updates = list(studio.run(request()))
     final = updates[-1]
-    assert final.status == "done" and len(updates) > 24
+    assert final.status == "done" and len(updates) >= 24
     view = final.view
     assert {name: len(lane.tokens) for name, lane in view.lanes.items()} == {"fullkv": 24, "snapkv": 24, "qevict": 24}
     assert view.routed_lanes() == ["qevict"]
     meta = studio.store.get(final.session_id)
     assert meta["status"] == "done" and meta["summary"]["lanes"]["qevict"]["tokens"] == 24
-    replayed, last = studio.replay(final.session_id)
+    replayed, last, _ = studio.replay(final.session_id)
     assert last == 23
-    assert plots.lanes_html(replayed) == plots.lanes_html(view)
-    assert plots.stats_rows(replayed) == plots.stats_rows(view)
+    assert cards.lanes_html(replayed) == cards.lanes_html(view)
+    assert cards.stats_table(replayed) == cards.stats_table(view)
+    assert plots.bytes_plot(replayed).to_json() == plots.bytes_plot(view).to_json()
     for layer in range(3):
         assert plots.tier_map(replayed, "qevict", layer).to_json() == plots.tier_map(view, "qevict", layer).to_json()
-        assert plots.prompt_html(replayed, "qevict", layer) == plots.prompt_html(view, "qevict", layer)
-    # A replay at an earlier step shows exactly the tokens streamed by then.
-    early, _ = studio.replay(final.session_id, step=5)
-    assert [len(lane.tokens) for lane in early.lanes.values()] == [6, 6, 6]
+        assert cards.prompt_html(replayed, "qevict", layer) == cards.prompt_html(view, "qevict", layer)
+        assert cards.moves_html(replayed, "qevict", layer) == cards.moves_html(view, "qevict", layer)
+
+
+def test_each_shown_step_is_already_stored_and_replays_the_same(studio):
+    """What the viewer saw at step s is what the replay at step s shows (bytes included), and it was written
+    before it was shown: a crash loses at most the step in flight."""
+    stream = studio.run(request(max_new=12))
+    next(stream)  # before prefill: nothing shown yet
+    for update in stream:
+        if update.status != "running":
+            break
+        step = update.view.step
+        stored, _, _ = studio.replay(update.session_id, step=step)
+        assert cards.lanes_html(stored) == cards.lanes_html(update.view)
+        assert cards.stats_table(stored) == cards.stats_table(update.view)
+        assert all(lane.total_bytes > 0 for lane in stored.lanes.values())
 
 
 def test_interrupted_run_leaves_a_replayable_partial_session(studio):
@@ -75,9 +130,15 @@ def test_interrupted_run_leaves_a_replayable_partial_session(studio):
     stream.close()  # the browser went away / the worker was cancelled mid-stream
     meta = studio.store.get(first.session_id)
     assert meta["status"] == "stopped"
-    view, last = studio.replay(first.session_id)
-    tokens = sum(len(lane.tokens) for lane in view.lanes.values())
-    assert 0 < tokens < 3 * 40 and last < 39
+    view, last, _ = studio.replay(first.session_id)
+    assert [len(lane.tokens) for lane in view.lanes.values()] == [12, 12, 12] and last == 11
+
+
+def test_a_run_closed_before_its_first_step_is_stopped_not_running(studio):
+    stream = studio.run(request(max_new=40))
+    first = next(stream)
+    stream.close()
+    assert studio.store.get(first.session_id)["status"] == "stopped"
 
 
 def test_stop_flag_ends_the_run_and_keeps_the_text(studio):
@@ -93,16 +154,88 @@ def test_stop_flag_ends_the_run_and_keeps_the_text(studio):
     assert studio.store.get(update.session_id)["status"] == "stopped"
 
 
+def test_stop_before_a_queued_run_starts_keeps_it_from_starting():
+    tabs = TabRuns()
+    tabs.arm("tab")
+    assert tabs.stop("tab") == "queued"
+    assert tabs.start("tab") is None
+    tabs.arm("tab")
+    flag = tabs.start("tab")
+    assert flag is not None and not flag.is_set()
+    tabs.forget("tab")  # the tab closed while running
+    assert flag.is_set()
+    assert tabs.stop("other") is None
+
+
+def test_a_malformed_stored_row_is_a_message_on_its_own_page(studio):
+    good = list(studio.run(request(max_new=4)))[-1].session_id
+    bad = list(studio.run(request(max_new=4)))[-1].session_id
+    with studio.store.engine.begin() as conn:
+        conn.execute(update(SessionRow).where(SessionRow.id == bad).values(
+            request={"lanes": [{"name": 5, "method": "fullkv"}], "config": {"sinks": 5, "omega": 8}}))
+        conn.execute(update(EventRow).where(EventRow.session_id == good, EventRow.seq == 0).values(
+            payload={"kind": "token", "lane": "fullkv", "step": "abc"}))
+    for session_id in (good, bad):
+        with pytest.raises(ValueError, match="stored in a form this studio cannot show"):
+            studio.replay(session_id)
+    assert "cannot show" in diagnose_session(studio, bad)
+    other = list(studio.run(request(max_new=4)))[-1].session_id
+    assert studio.replay(other)[1] == 3  # the others still open
+    owned = [{"id": i, "token": "t"} for i in (good, bad, other)]
+    assert [row[0] for row in sessions.rows(studio.store, owned)] == [other, bad, good]
+
+
+def test_the_browser_list_drops_what_is_not_a_session_reference():
+    state = [{"id": "abc", "token": "t1"}, {"id": 5, "token": "x"}, "junk", {"id": "a b", "token": "t"},
+             {"id": "abc", "token": "dup"}, {"id": "def", "token": "t2", "extra": 1}]
+    assert sessions.refs(state) == [{"id": "abc", "token": "t1"}, {"id": "def", "token": "t2"}]
+    assert sessions.refs("not a list") == []
+    assert sessions.add(state, "new", "tok")[0] == {"id": "new", "token": "tok"}
+    assert sessions.remove(state, "abc") == [{"id": "def", "token": "t2"}]
+    assert sessions.token_for(state, "def") == "t2" and sessions.token_for(state, "zzz") is None
+
+
 def test_text_is_escaped_everywhere(studio):
     evil = "<script>alert(1)</script><img src=x onerror=alert(2)> " * 20
     final = list(studio.run(request(evil, ("qevict",), max_new=4)))[-1]
-    html = plots.prompt_html(final.view, "qevict", 1) + plots.lanes_html(final.view)
+    html = cards.prompt_html(final.view, "qevict", 1) + cards.lanes_html(final.view)
     assert "<script>" not in html and "<img" not in html and "&lt;script&gt;" in html
 
 
-def test_tier_map_codes_follow_the_events():
+def test_the_prompt_view_shows_the_users_text_without_template_markup(studio):
+    final = list(studio.run(request("Tell me about foxes.", ("fullkv",), max_new=2)))[-1]
+    html = cards.prompt_html(final.view, None, 0)
+    assert "Tell me about foxes." in html and "im_start" not in html and "assistant" not in html
+    assert "The chat template adds" in html
+
+
+def test_progress_says_where_the_run_is(studio):
+    stream = studio.run(request(max_new=6))
+    first = next(stream)
+    assert progress_text(first, studio).startswith("**Reading the prompt**")
+    second = next(stream)
+    assert "token 1 of at most 6" in progress_text(second, studio)
+    assert progress_text(list(stream)[-1], studio) == "**Done.**"
+    assert studio.prefill_rate and studio.prefill_rate > 0
+
+
+def test_lane_cards_point_at_the_result():
+    view = RunView({"lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "snapkv", "method": "snapkv"}],
+                    "config": {"sinks": 2, "omega": 4}, "sampling": {"max_new_tokens": 3}, "expected": "42"})
+    for lane, pieces in (("fullkv", [" 4", "2", "."]), ("snapkv", [" 4", "1", "."])):
+        for step, piece in enumerate(pieces):
+            view.apply({"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
+                        "seconds": 0.1})
+    html = cards.lanes_html(view)
+    assert "✓ contains the expected answer “42”" in html
+    assert "✗ does not contain the expected answer “42”" in html
+    assert "same as FullKV for the first 1 tokens, then differs (67% of positions agree)" in html
+    assert '<span class="qe-diverged" title="differs from FullKV">1.</span>' in html
+
+
+def test_tier_map_codes_and_moves_follow_the_events():
     view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
-                    "prompt_tokens": [str(i) for i in range(30)]})
+                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
     view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 18,
                 "full": [0, 2], "quantized": [1], "promoted": [], "demoted": [], "evicted": [3],
                 "scores": {"0": 1.0, "1": 0.5, "2": 0.9, "3": 0.1, "4": 0.2}})
@@ -117,17 +250,21 @@ def test_tier_map_codes_follow_the_events():
     assert [row[1] for row in z[:9]] == [codes["quantized"], codes["full"], codes["full"], codes["evicted"],
                                           codes["quantized"], codes["evicted"], codes["recent"], codes["recent"],
                                           codes["recent"]]
-    assert list(fig.data[1].x) == [1] and list(fig.data[1].y) == [1]  # the promotion marker
+    promoted = next(trace for trace in fig.data if trace.name == "promoted ▲")
+    assert list(promoted.x) == [1] and list(promoted.y) == [1]
     heat = plots.score_heatmap(view, "q")
     assert list(heat.data[0].z[0])[:5] == [1.0, 2.5, 0.9, None, 0.2]
-    html = plots.prompt_html(view, "q", 0)
+    html = cards.prompt_html(view, "q", 0)
     assert 'title="sink"' in html and 'title="evicted"' in html
+    moves = cards.moves_html(view, "q", 0)
+    # window 1 = positions 6-9 of the prompt ("6789"), promoted at step 8; window 0 demoted
+    assert "step 8: window 1 (tokens 6–9, “6789”) promoted: low-bit → full precision" in moves
+    assert "step 8: window 0 (tokens 2–5, “2345”) demoted: full precision → low-bit" in moves
+    assert "2 window(s) evicted for good (3, 5)" in moves
     assert "layout" not in json.loads(fig.to_json())["layout"]["template"]  # template="none": small payloads
 
 
 def test_diagnostics_of_a_stored_run(studio):
-    from ui.handlers import diagnose_session
-
     final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=32)))[-1]
     table = diagnose_session(studio, final.session_id)
     row = next(line for line in table.splitlines() if line.startswith("| qevict |"))

@@ -16,11 +16,13 @@ def needle_in_austen(chars: int = 8200, key: str = "lantern", value: str = "4738
             f"What is the special magic number for {key} mentioned in the text?")
 
 
+MUFFINS = ("A baker makes 4 trays of 12 muffins. She sells 17 muffins in the morning and 2 trays' worth in the "
+           "afternoon, then bakes 9 more. How many muffins does she have at the end of the day? Think step by step "
+           "and give the final number.")
+
+# name -> () -> (prompt, expected answer or "" when there is no single right answer)
 EXAMPLES = {
-    "Needle in ~2K tokens of Austen (retrieval)": needle_in_austen,
-    "Multi-step reasoning": lambda: (
-        "A baker makes 4 trays of 12 muffins. She sells 17 muffins in the morning and 2 trays' worth in the "
-        "afternoon, then bakes 9 more. How many muffins does she have at the end of the day? Think step by step "
-        "and give the final number."),
-    "Chat question": lambda: "What are three practical tips for staying focused while studying? Keep it short.",
+    "Needle in ~2K tokens of Austen (retrieval)": lambda: (needle_in_austen(), "4738291"),
+    "Multi-step reasoning": lambda: (MUFFINS, str(4 * 12 - 17 - 2 * 12 + 9)),
+    "Chat question": lambda: ("What are three practical tips for staying focused while studying? Keep it short.", ""),
 }

@@ -1,51 +1,27 @@
-"""What the studio does, without Gradio: validate a request, run it through the engine while persisting the
-event stream, and rebuild views of stored sessions. ``ui/layout.py`` only wires these to components."""
+"""What the studio does, without Gradio: prepare a validated request, run it through the engine while persisting
+the event stream step by step, and rebuild views of stored sessions. ``ui/layout.py`` only wires these to
+components; ``ui/form.py`` is the door every request passes first."""
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core import BudgetTooSmall, KVShape, Lane, generate_lanes, make_cache
 from qevict_core.config import BITS, SCORERS
 from qevict_core.registry import METHODS
 from storage import SessionStore
+from storage.schema import parse_stored
 
+from .form import RunRequest
 from .view import RunView
 
-NO_LANE = "(none)"
-FLUSH_EVERY = 32  # events buffered between database writes
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    prompt: str
-    methods: tuple[str, ...]
-    config: QEvictConfig
-    sampling: Sampling
-
-
-def parse_request(prompt: str, methods: list[str], budget: float, omega: int, q_frac: float, bits: int, sinks: int,
-                  recent: int, scorer: str, promotion: bool, max_new_tokens: int, temperature: float = 0.0,
-                  seed: int = 0) -> RunRequest:
-    """Turn raw UI values into a request; ValueError with a readable message for anything off."""
-    if not prompt or not prompt.strip():
-        raise ValueError("The prompt is empty: write one or pick an example.")
-    chosen = tuple(m for m in methods if m and m != NO_LANE)
-    if not chosen:
-        raise ValueError("Choose at least one lane.")
-    unknown = [m for m in chosen if m not in METHODS]
-    if unknown:
-        raise ValueError(f"Unknown method(s) {unknown}; allowed: {sorted(METHODS)}.")
-    try:
-        config = QEvictConfig(budget=float(budget), omega=int(omega), q_frac=float(q_frac), bits=int(bits),
-                              sinks=int(sinks), recent=int(recent), scorer=str(scorer), promotion=bool(promotion))
-        sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature), seed=int(seed))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"Invalid setting: {err}") from err
-    return RunRequest(prompt, chosen, config, sampling)
+log = logging.getLogger(__name__)
 
 
 def lane_names(methods: tuple[str, ...]) -> list[str]:
@@ -67,6 +43,7 @@ class Update:
     routing_changed: bool
     status: str  # running, done, stopped, error
     message: str = ""
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -78,83 +55,166 @@ class Studio:
     store: SessionStore
     model_name: str = "SmolLM2-135M-Instruct"
     choices: dict = field(default_factory=lambda: {"methods": sorted(METHODS), "bits": BITS, "scorers": SCORERS})
+    prefill_rate: float | None = None  # prompt tokens x lanes per second, measured on the last run
+    _loaded: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
-    def encode(self, prompt: str) -> torch.Tensor:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                      return_tensors="pt", return_dict=True)["input_ids"]
-        return self.tokenizer(prompt, return_tensors="pt").input_ids
+    def encode(self, prompt: str) -> tuple[torch.Tensor, list[int]]:
+        """-> (input ids (1, T), [start, stop) of the user's own text among them, chat-template markup excluded)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+            return ids, [0, ids.shape[1]]
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return ids, self._span(text, prompt, ids.shape[1])
+
+    def _span(self, text: str, prompt: str, length: int) -> list[int]:
+        begin = text.rfind(prompt)
+        if begin < 0 or not getattr(self.tokenizer, "is_fast", False):
+            return [0, length]
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        inside = [i for i, (a, b) in enumerate(offsets) if a < begin + len(prompt) and b > begin]
+        return [inside[0], inside[-1] + 1] if inside else [0, length]
 
     def prepare(self, req: RunRequest) -> tuple[torch.Tensor, list[Lane], dict]:
-        """Everything that can fail on bad input happens here, before anything is stored."""
-        input_ids = self.encode(req.prompt)
+        """Everything that can fail on bad input happens here, before anything is stored. A lane whose method
+        cannot run at the asked budget on this sequence runs at the least it can, and its note says why."""
+        input_ids, span = self.encode(req.prompt)
         context = getattr(self.model.config, "max_position_embeddings", None)
         total = input_ids.shape[1] + req.sampling.max_new_tokens
         if context and total > context:
             raise ValueError(f"The prompt is {input_ids.shape[1]} tokens; with {req.sampling.max_new_tokens} new "
                              f"tokens that is {total}, beyond the model's context of {context}. Shorten it.")
-        lanes = []
+        fullkv = KVShape.from_model(self.model).fullkv_bytes(total)
+        lanes, specs = [], []
         for name, method in zip(lane_names(req.methods), req.methods):
+            spec = {"name": name, "method": method}
             try:
                 cache = make_cache(method, self.model, req.config, max_length=total)
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from err
+            except BudgetTooSmall as err:
+                cache = make_cache(method, self.model, req.config.replace(budget_bytes=err.needed_bytes),
+                                   max_length=total)
+                spec["budget_bytes"] = err.needed_bytes
+                spec["note"] = (f"Runs at {err.needed_bytes / fullkv:.1%} of FullKV's bytes, not "
+                                f"{req.config.budget:.1%}: "
+                                f"this run holds only {total} tokens, and {err.reason}. That is the least this "
+                                f"method can run with here; the other lanes use the budget you chose.")
             lanes.append(Lane(name, cache))
+            specs.append(spec)
         request = {
             "model": self.model_name,
-            "lanes": [{"name": lane.name, "method": method} for lane, method in zip(lanes, req.methods)],
+            "lanes": specs,
             "config": req.config.to_dict(),
             "sampling": {"max_new_tokens": req.sampling.max_new_tokens, "temperature": req.sampling.temperature,
                          "seed": req.sampling.seed},
             "prompt_length": input_ids.shape[1],
             "prompt_tokens": self.tokenizer.batch_decode([[t] for t in input_ids[0].tolist()]),
+            "prompt_span": span,
+            "expected": req.expected,
         }
         return input_ids, lanes, request
 
     def run(self, req: RunRequest, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Update]:
-        """Stream the run; every event is persisted as it comes, so a stopped or failed run stays replayable."""
+        """Stream the run. Each lane's step is written before it is shown, so a crash loses at most the step in
+        flight; a stopped, failed or abandoned run (the generator closed) keeps what was written."""
         input_ids, lanes, request = self.prepare(req)
         session_id, token = self.store.create(req.prompt, request)
         view, pending, status, message = RunView(request), [], "running", ""
-        yield Update(view, session_id, token, True, status)
-        routing_changed = False
+        started = time.perf_counter()
         try:
+            yield Update(view, session_id, token, True, status, started=started)
+            routing_changed = False
             for event in generate_lanes(self.model, self.tokenizer, input_ids, lanes, req.sampling, should_stop):
                 data = event.to_dict()
                 routing_changed |= view.apply(data)
                 pending.append(data)
-                if len(pending) >= FLUSH_EVERY:
+                if data["kind"] == "memory":
                     self.store.append(session_id, pending)
                     pending = []
-                if data["kind"] == "token":
-                    yield Update(view, session_id, token, routing_changed, status)
-                    routing_changed = False
+                    if all(lane.done or len(lane.tokens) > data["step"] for lane in lanes):
+                        if data["step"] == 0:
+                            self._measure_prefill(input_ids.shape[1] * len(lanes), lanes[0].prefill_seconds)
+                        yield Update(view, session_id, token, routing_changed, status, started=started)
+                        routing_changed = False
             errors = [lane.done for lane in view.lanes.values() if (lane.done or "").startswith("error")]
             status = "error" if errors else "stopped" if should_stop() else "done"
             message = "; ".join(errors)
         except Exception as err:  # keep what was generated; say what went wrong
+            log.exception("run %s failed", session_id)
             status, message = "error", str(err)
         finally:
-            self.store.append(session_id, pending)
-            self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
-        yield Update(view, session_id, token, True, status, message)
+            try:
+                self.store.append(session_id, pending)
+            finally:
+                self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
+        yield Update(view, session_id, token, True, status, message, started=started)
 
-    def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int] | None:
-        """The view of a stored session at ``step`` (None: the end) and its last step; None if unknown."""
+    def _measure_prefill(self, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            self.prefill_rate = tokens / seconds
+
+    def prefill_estimate(self, tokens: int, lanes: int) -> float | None:
+        return tokens * lanes / self.prefill_rate if self.prefill_rate else None
+
+    def load(self, session_id: str) -> tuple[dict, list[dict]]:
+        """A stored session, checked against the schema -> (meta, events); LookupError when missing, ValueError
+        when malformed, so one bad row is a message on its own page and nothing else. The replay slider reloads
+        at every step: sessions are kept validated until they change."""
         meta = self.store.get(session_id or "")
         if meta is None:
-            return None
+            raise LookupError(f"No such session: `{(session_id or '')[:64]}`")
+        cached = self._loaded.get(session_id)
+        if cached is not None and cached[0] == (meta["updated_at"], meta["status"]):
+            return cached[1], cached[2]
         events = self.store.events(session_id)
+        try:
+            request, parsed = parse_stored(meta["prompt"], meta["request"], events)
+        except ValueError as err:
+            raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
+        meta = {**meta, "request": request.model_dump(mode="json")}
+        events = [event.model_dump(mode="json") for event in parsed]
+        self._loaded[session_id] = ((meta["updated_at"], meta["status"]), meta, events)
+        while len(self._loaded) > 8:
+            self._loaded.pop(next(iter(self._loaded)))
+        return meta, events
+
+    def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:
+        """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""
+        meta, events = self.load(session_id)
         view = RunView(meta["request"])
-        last = max((e.get("step", 0) for e in events), default=0)
+        last = max((e["step"] for e in events), default=0)
         for event in events:
-            if step is None or event.get("step", 0) <= step:
+            if step is None or event["step"] <= step:
                 view.apply(event)
-        return view, last
+        return view, last, meta
+
+
+def progress_text(update: Update, studio: Studio) -> str:
+    """Where the run stands, in words, with a time estimate."""
+    view = update.view
+    if update.status != "running":
+        return {"done": "**Done.**", "stopped": "**Stopped** — what was generated is kept.",
+                "error": f"**Error:** {update.message}"}[update.status]
+    steps = max((len(lane.tokens) for lane in view.lanes.values()), default=0)
+    if steps == 0:
+        tokens = int(view.request["prompt_length"])
+        guess = studio.prefill_estimate(tokens, len(view.lanes))
+        eta = f" — about {_duration(guess)}" if guess else " — the first run on a CPU can take a minute"
+        return f"**Reading the prompt** ({tokens:,} tokens, {len(view.lanes)} lane(s)){eta}…"
+    per_step = [lane.decode_seconds / (len(lane.tokens) - 1) for lane in view.lanes.values() if len(lane.tokens) > 1]
+    left = view.max_new_tokens - steps
+    eta = f", about {_duration(left * max(per_step))} left at most" if per_step and left > 0 else ""
+    return f"**Generating…** token {steps} of at most {view.max_new_tokens}{eta}."
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, math.ceil(seconds))} s"
+    return f"{seconds / 60:.0f} min"
 
 
 DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "fmm_fp_only"), ("churn", "churn"),
@@ -164,23 +224,19 @@ DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "f
 def diagnose_session(studio: Studio, session_id: str) -> str:
     """The paper's diagnostics for every routed lane of a stored run, against FullKV attention over that lane's
     own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU)."""
-    import math
-
     from qevict_core import diagnostics as dg
 
-    meta = studio.store.get(session_id or "")
-    if meta is None:
-        return f"**No such session:** `{session_id}`"
-    view = RunView(meta["request"])
-    for event in studio.store.events(session_id):
-        view.apply(event)
+    try:
+        view, _, meta = studio.replay(session_id)
+    except (LookupError, ValueError) as err:
+        return f"**{err}**"
     lanes = view.routed_lanes()
     if not lanes:
         return "This run has no routed lane (QEvict or its ablations): nothing to diagnose."
-    prompt = studio.encode(meta["prompt"])
+    prompt, _ = studio.encode(meta["prompt"])
     config, sampling = meta["request"]["config"], meta["request"]["sampling"]
     max_length = prompt.shape[1] + sampling["max_new_tokens"]
-    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ quantized", "μ evicted", "LIR"]
+    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
     header = "| lane | " + " | ".join(columns) + " |"
     rows = [header, "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
     for name in lanes:
@@ -196,14 +252,14 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
         cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
         cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]
         rows.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
-    return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I): "
-            "lower FMM is better; QSA near 1 means the low-bit scores rank like full precision.\n\n" + "\n".join(rows))
+    return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I of the "
+            "paper; see the glossary below): lower FMM is better; QSA near 1 means the low-bit scores rank like "
+            "full precision.\n\n" + "\n".join(rows))
 
 
 def summarize(view: RunView) -> dict:
     agreement = view.agreement()
     return {"lanes": {name: {"method": lane.method, "tokens": len(lane.tokens), "total_bytes": lane.total_bytes,
                              "ratio": lane.ratio, "done": lane.done, "promotions": lane.promotions,
-                             "demotions": lane.demotions, "evictions": lane.evictions,
-                             "agreement": agreement.get(name, (None, None))[0]}
+                             "demotions": lane.demotions, "agreement": agreement.get(name, (None, None))[0]}
                       for name, lane in view.lanes.items()}}

@@ -1,30 +1,80 @@
-"""The studio's Blocks: wiring only. Logic lives in ``handlers``, drawing in ``plots``, state in ``view``."""
+"""The studio's Blocks: wiring only. Logic lives in ``handlers``, ``form`` and ``sessions``, drawing in ``plots``
+and ``cards``, per-tab state in ``control``."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-import threading
 
 import gradio as gr
 
 from qevict_core import QEvictConfig
 from qevict_core.registry import METHODS
+from storage.schema import max_import_bytes
 
-from . import plots
+from . import cards, plots, sessions
+from .components import FormSlider
+from .control import TabRuns
 from .examples import EXAMPLES
+from .form import MAX_NEW_TOKENS, NO_LANE, parse_request
+from .glossary import GLOSSARY
 from .gpu import GPU
-from .handlers import NO_LANE, Studio, diagnose_session, parse_request
+from .handlers import Studio, diagnose_session, progress_text
 from .view import RunView
 
 DEFAULTS = QEvictConfig()
 INTRO = """# QEvict studio
-Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache, a
-baseline and QEvict, which keeps important windows in full precision, a broad middle in INT2 that can be promoted
-back, and evicts the rest. Every run is saved and can be replayed or shared by link."""
+Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache
+(FullKV), a baseline and QEvict, which keeps the most-attended windows of past tokens in full precision, a broad
+middle in 2 bits that can be promoted back, and evicts the rest. Pick an example and press **Generate**. Every run
+is saved; its share link replays it step by step."""
 THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "monospace"])
+CSS = """
+.qe-lanes {display:flex; gap:10px; flex-wrap:wrap}
+.qe-lane {flex:1; min-width:240px; border:1px solid #d1d5db; border-radius:8px; padding:8px}
+.qe-verdict {font-size:12px; padding:1px 6px; border-radius:6px}
+.qe-good {background:#dcfce7; color:#14532d} .qe-bad {background:#fee2e2; color:#7f1d1d}
+.qe-note {font-size:12px; background:#fef3c7; border-radius:6px; padding:4px 6px; margin-top:4px}
+.qe-stats, .qe-caption {font-size:12px; color:#4b5563}
+.qe-text {white-space:pre-wrap; overflow-wrap:anywhere; margin-top:6px}
+.qe-diverged {text-decoration:underline wavy #ef4444}
+.qe-prompt-text {white-space:pre-wrap; font-family:ui-monospace,monospace; font-size:12px; line-height:1.6;
+                 max-height:320px; overflow:auto; overflow-wrap:anywhere}
+.qe-key {padding:0 4px; margin-right:2px; white-space:nowrap}
+.qe-moves ul {margin:4px 0 0 18px; font-size:13px}
+#status {min-height:3.2em}
+#qe-notice {position:fixed; bottom:16px; left:50%; transform:translateX(-50%); z-index:1000; max-width:90vw;
+            background:#111827; color:#fff; padding:8px 12px; border-radius:8px; font-size:14px; display:none}
+"""
+# Gradio's number boxes clamp a typed value to the control's range when they lose focus, silently. This reads the
+# typed value first (capture phase) and says what happened when the box then shows something else.
+HEAD = """<script>
+document.addEventListener("blur", (event) => {
+  const box = event.target;
+  if (!(box instanceof HTMLInputElement) || box.type !== "number" || box.value === "") return;
+  const typed = box.value;
+  setTimeout(() => {
+    if (box.value === typed) return;
+    const label = (box.getAttribute("aria-label") || "value").replace(/^number input for /, "");
+    let note = document.getElementById("qe-notice");
+    if (!note) {
+      note = document.createElement("div");
+      note.id = "qe-notice";
+      note.setAttribute("role", "status");
+      document.body.appendChild(note);
+    }
+    const range = `${box.min || "…"}–${box.max || "…"}`;
+    note.textContent = `${label}: ${typed} is outside ${range}, so it was set to ${box.value}.`;
+    note.style.display = "block";
+    clearTimeout(note.hideTimer);
+    note.hideTimer = setTimeout(() => { note.style.display = "none"; }, 6000);
+  }, 50);
+}, true);
+</script>"""
+NO_RUN = plots.empty_figure("No run yet.")
+CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
 
 def methods_markdown() -> str:
@@ -34,87 +84,98 @@ def methods_markdown() -> str:
 
 def map_lane(view: RunView | None) -> str | None:
     """The lane whose routing the tier map shows: the first QEvict-family lane that has routed."""
-    if view is None:
-        return None
-    routed = view.routed_lanes()
+    routed = view.routed_lanes() if view is not None else []
     return next((n for n in routed if METHODS[view.lanes[n].method].family == "qevict"), routed[0] if routed else None)
 
 
 def routing_outputs(view: RunView | None, layer: int) -> tuple:
-    lane = map_lane(view)
+    """(tier map, score heatmap, moves in words, prompt by tier)."""
     if view is None:
-        return plots.empty_figure("No run yet."), plots.empty_figure("No run yet."), ""
-    return plots.tier_map(view, lane, layer), plots.score_heatmap(view, lane), plots.prompt_html(view, lane, layer)
+        return CLEARED[3], CLEARED[4], "", ""
+    lane = map_lane(view)
+    return (plots.tier_map(view, lane, layer), plots.score_heatmap(view, lane), cards.moves_html(view, lane, layer),
+            cards.prompt_html(view, lane, layer))
 
 
 def share_markdown(session_id: str, token: str, request: gr.Request | None) -> str:
     host = os.environ.get("SPACE_HOST")
     base = f"https://{host}" if host else (f"http://{request.headers.get('host')}" if request is not None else "")
     link = f"{base}/?session={session_id}"
-    return (f"**Share this run:** [{link}]({link})  \nDelete token (shown once, keep it to delete the session): "
-            f"`{token}`")
+    return (f"**Share this run:** [{link}]({link}) — anyone with the link can open it. It is listed under "
+            f"*Sessions* in this browser only, which can delete it; elsewhere, delete it with the token `{token}`.")
 
 
 def view_panel(prefix: str, layers: int) -> tuple:
-    """What a run looks like, live (Run tab) or replayed: lanes, stats, layer picker, tier map, scores, prompt."""
+    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, layer picker, routing views."""
     lanes = gr.HTML(elem_id=f"{prefix}lanes")
-    stats = gr.Dataframe(headers=plots.STATS_HEADERS, interactive=False, elem_id=f"{prefix}stats")
-    layer = gr.Slider(0, layers - 1, value=layers // 2, step=1, label="Layer shown in the tier map",
+    stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
+                         max_height=420, label="Lanes side by side")
+    memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
+    layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer shown below (0–{layers - 1})",
                       elem_id=f"{prefix}layer")
-    with gr.Row():
-        tier = gr.Plot(label="Tier map", elem_id=f"{prefix}tier-map")
-        heat = gr.Plot(label="Cumulative scores", elem_id=f"{prefix}heatmap")
+    with gr.Row(equal_height=False):
+        tier = gr.Plot(label="Tier map", show_label=False, elem_id=f"{prefix}tier-map", min_width=320)
+        heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
+    moves = gr.HTML(elem_id=f"{prefix}moves")
     prompt = gr.HTML(elem_id=f"{prefix}prompt-tiers")
-    return lanes, stats, layer, tier, heat, prompt
+    return lanes, stats, memory, layer, tier, heat, moves, prompt
 
 
 def build_demo(studio: Studio) -> gr.Blocks:
-    live: dict[str, RunView] = {}  # per browser session, server side (engine objects must not be deep-copied)
-    replays: dict[str, tuple[str, int]] = {}
-    stops: dict[str, threading.Event] = {}
+    tabs_state = TabRuns()
     layers = studio.num_layers
     method_choices = [NO_LANE] + sorted(METHODS)
 
     with gr.Blocks(title="QEvict studio", analytics_enabled=False) as demo:
+        owned = gr.BrowserState([], storage_key=sessions.STORAGE_KEY,
+                                # The secret travels to the browser with the page, so it protects nothing; a fixed
+                                # one keeps a visitor's list readable across server restarts.
+                                secret=os.environ.get("QEVICT_BROWSER_SECRET", "qevict-studio"))
         gr.Markdown(INTRO)
         with gr.Tabs(selected="run") as tabs:
             with gr.Tab("Run", id="run"):
                 with gr.Row():
-                    with gr.Column(scale=3):
+                    with gr.Column(scale=3, min_width=300):
                         example = gr.Dropdown(list(EXAMPLES), value=None, label="Example prompts", elem_id="example")
-                        prompt = gr.Textbox(lines=8, max_lines=16, label="Prompt", elem_id="prompt")
-                    with gr.Column(scale=2):
+                        prompt = gr.Textbox(lines=6, max_lines=14, label="Prompt", elem_id="prompt")
+                        expected = gr.Textbox("", label="Expected answer (optional: each lane is checked for it)",
+                                              elem_id="expected", max_length=200)
+                    with gr.Column(scale=2, min_width=300):
                         with gr.Row():
                             lane1 = gr.Dropdown(method_choices, value="fullkv", label="Lane 1", elem_id="lane1")
                             lane2 = gr.Dropdown(method_choices, value="snapkv", label="Lane 2", elem_id="lane2")
                             lane3 = gr.Dropdown(method_choices, value="qevict", label="Lane 3", elem_id="lane3")
-                        with gr.Accordion("What each method keeps", open=False):
-                            gr.Markdown(methods_markdown(), elem_id="methods")
-                        budget = gr.Slider(0.02, 1.0, value=DEFAULTS.budget, step=0.01, label="KV budget (fraction of "
-                                           "FullKV bytes)", elem_id="budget")
-                        max_new = gr.Slider(1, 512, value=64, step=1, label="Max new tokens", elem_id="max-new")
+                        budget = FormSlider(0.01, 1.0, value=DEFAULTS.budget, step=0.01, elem_id="budget",
+                                           label="KV budget: share of FullKV's bytes (0.01–1)")
+                        max_new = FormSlider(1, MAX_NEW_TOKENS, value=64, step=1, elem_id="max-new",
+                                            label=f"Max new tokens (1–{MAX_NEW_TOKENS})")
                         with gr.Accordion("QEvict settings", open=False):
                             with gr.Row():
-                                omega = gr.Slider(1, 64, value=DEFAULTS.omega, step=1,
-                                                  label="Ω (window, routing interval)")
-                                q_frac = gr.Slider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
-                                                   label="q (quantized share)")
+                                omega = FormSlider(1, 64, value=DEFAULTS.omega, step=1, label="Ω: window and routing "
+                                                  "interval, tokens (1–64)")
+                                q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
+                                                   label="q: share of the history budget in low bits (0–1)")
                             with gr.Row():
-                                bits = gr.Radio([2, 4], value=DEFAULTS.bits, label="bits")
+                                bits = gr.Radio([2, 4], value=DEFAULTS.bits, label="low-bit tier: bits")
                                 scorer = gr.Dropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer,
                                                      label="scorer")
                                 promotion = gr.Checkbox(value=DEFAULTS.promotion, label="promotion")
                             with gr.Row():
-                                sinks = gr.Number(value=DEFAULTS.sinks, precision=0, label="sinks")
-                                recent = gr.Number(value=DEFAULTS.recent, precision=0, label="recent")
-                                temperature = gr.Number(value=0.0, label="temperature (0 = greedy)")
-                                seed = gr.Number(value=0, precision=0, label="seed")
+                                # No minimum/maximum here: Gradio would refuse before our form could say why.
+                                sinks = gr.Number(value=DEFAULTS.sinks, label="sinks (0–64)")
+                                recent = gr.Number(value=DEFAULTS.recent, label="recent (0–1024)")
+                                temperature = gr.Number(value=0.0, label="temperature (0 = greedy, up to 2)")
+                                seed = gr.Number(value=0, label="seed (0 or more)")
                 with gr.Row():
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", elem_id="stop")
                 status = gr.Markdown(elem_id="status")
-                lanes_out, stats, layer, tier_plot, heat_plot, prompt_view = view_panel("", layers)
+                lanes_out, stats, memory, layer, tier_plot, heat_plot, moves, prompt_view = view_panel("", layers)
                 share = gr.Markdown(elem_id="share")
+                with gr.Accordion("What each method keeps", open=False):
+                    gr.Markdown(methods_markdown(), elem_id="methods")
+                with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+                    gr.Markdown(GLOSSARY, elem_id="glossary")
             with gr.Tab("Replay", id="replay"):
                 with gr.Row():
                     replay_id = gr.Textbox(label="Session id", elem_id="replay-id", scale=3)
@@ -122,85 +183,120 @@ def build_demo(studio: Studio) -> gr.Blocks:
                 replay_status = gr.Markdown(elem_id="replay-status")
                 with gr.Row():
                     step = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="replay-step", scale=4)
-                    play_btn = gr.Button("Play", elem_id="replay-play", scale=1)
-                    pause_btn = gr.Button("Pause", elem_id="replay-pause", scale=1)
+                    play_btn = gr.Button("Play", elem_id="replay-play", scale=1, min_width=80)
+                    pause_btn = gr.Button("Pause", elem_id="replay-pause", scale=1, min_width=80)
                 timer = gr.Timer(0.4, active=False)
-                replay_lanes, replay_stats, replay_layer, replay_tier, replay_heat, replay_prompt = \
-                    view_panel("replay-", layers)
+                replay_panel = view_panel("replay-", layers)
+                replay_layer = replay_panel[3]
                 diagnose_btn = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
                 diagnostics_out = gr.Markdown(elem_id="replay-diagnostics")
+                with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+                    gr.Markdown(GLOSSARY)
             with gr.Tab("Sessions", id="sessions"):
-                refresh_btn = gr.Button("Refresh", elem_id="sessions-refresh")
-                sessions_table = gr.Dataframe(headers=["id", "created", "status", "lanes", "prompt"], interactive=False,
-                                              elem_id="sessions-table")
-                with gr.Row():
-                    manage_id = gr.Textbox(label="Session id", elem_id="manage-id")
-                    manage_token = gr.Textbox(label="Delete token", type="password", elem_id="manage-token")
+                gr.Markdown("Runs made or imported **in this browser** (kept in its local storage, with their "
+                            "delete tokens). Nobody else sees this list; a share link opens one run.")
+                sessions_table = gr.Dataframe(headers=sessions.SESSION_HEADERS, interactive=False,
+                                              elem_id="sessions-table", wrap=True)
+                manage_id = gr.Textbox(label="Session id (click a row)", elem_id="manage-id")
                 with gr.Row():
                     open_btn = gr.Button("Open in Replay", elem_id="open-session")
                     export_btn = gr.Button("Export JSON", elem_id="export-session")
                     delete_btn = gr.Button("Delete", variant="stop", elem_id="delete-session")
+                with gr.Accordion("Delete a session made in another browser", open=False):
+                    manage_token = gr.Textbox(label="Delete token", type="password", elem_id="manage-token")
                 export_file = gr.File(label="Exported session", elem_id="export-file")
-                import_file = gr.File(label="Import a session (.json)", file_types=[".json"], elem_id="import-file")
+                import_file = gr.File(label=f"Import a session (.json, up to {max_import_bytes() / 2**20:.0f} MiB)",
+                                      file_types=[".json"], elem_id="import-file")
                 manage_status = gr.Markdown(elem_id="manage-status")
 
         # -- run ------------------------------------------------------------------------------------------------
-        example.change(lambda name: EXAMPLES[name]() if name else gr.skip(), example, prompt, api_visibility="private")
+        def pick_example(name):
+            if not name:
+                return gr.skip(), gr.skip()
+            prompt_text, answer = EXAMPLES[name]()
+            return prompt_text, answer
+
+        example.change(pick_example, example, [prompt, expected], api_visibility="private")
         run_inputs = [prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                      max_new, temperature, seed, layer]
-        run_outputs = [status, lanes_out, stats, tier_plot, heat_plot, prompt_view, share]
+                      max_new, temperature, seed, layer, expected]
+        view_outputs = [lanes_out, stats, memory, tier_plot, heat_plot, moves, prompt_view]
+        new_ref = gr.State(None)  # the run's {id, token}, handed to the browser's list (not part of the API)
+        run_outputs = [status, *view_outputs, share, new_ref]
+
+        def arm(request: gr.Request):
+            tabs_state.arm(request.session_hash)
+            return ("**Waiting for a free slot…** One run at a time; your place in the queue shows here.",
+                    *CLEARED, "")
 
         @GPU(duration=300)
         def generate(prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                     max_new_tokens, temperature, seed, layer, request: gr.Request = None):
-            """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats, tier map, score heatmap,
-            prompt tiers, share link). Lanes are method names from `qevict_core.list_methods()` or "(none)"."""
+                     max_new_tokens, temperature, seed, layer, expected="", request: gr.Request = None):
+            """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats table, bytes plot, tier
+            map, score heatmap, routing moves, prompt by tier, share link). Lanes are method names from
+            `qevict_core.list_methods()` or "(none)". A refused request returns the reason in ``status``."""
             key = request.session_hash if request is not None else "api"
+            flag = tabs_state.start(key)
+            if flag is None:
+                yield ("**Stopped** before it started: nothing was run.", *CLEARED, "", gr.skip())
+                return
             try:
-                req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent, scorer,
-                                    promotion, max_new_tokens, temperature, seed)
-                stop = stops[key] = threading.Event()
-                for update in studio.run(req, stop.is_set):
-                    live[key] = update.view
-                    word = {"running": "Generating…", "done": "Done.", "stopped": "Stopped — what was generated "
-                            "is kept.", "error": f"Error: {update.message}"}[update.status]
-                    routing = routing_outputs(update.view, int(layer)) if update.routing_changed else (gr.skip(),) * 3
-                    yield (f"**{word}**", plots.lanes_html(update.view), plots.stats_rows(update.view), *routing,
-                           share_markdown(update.session_id, update.delete_token, request))
+                req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent,
+                                    scorer, promotion, max_new_tokens, temperature, seed, expected)
+                shown = layer_index(layer, layers)
+                for update in studio.run(req, flag.is_set):
+                    tabs_state.live[key] = update.view
+                    first = update.view.step < 0 and update.status == "running"
+                    heavy = update.routing_changed or update.status != "running"
+                    routing = routing_outputs(update.view, shown) if heavy else (gr.skip(),) * 4
+                    yield (progress_text(update, studio), cards.lanes_html(update.view),
+                           cards.stats_table(update.view), plots.bytes_plot(update.view) if heavy else gr.skip(),
+                           *routing, share_markdown(update.session_id, update.delete_token, request),
+                           {"id": update.session_id, "token": update.delete_token} if first else gr.skip())
             except ValueError as err:
-                yield (f"**Cannot run:** {err}", gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                yield (f"**Cannot run:** {err}", *CLEARED, "", gr.skip())
+            finally:
+                tabs_state.finish(key)
 
-        generate_btn.click(generate, run_inputs, run_outputs, api_name="generate", concurrency_id="gpu",
-                           concurrency_limit=1)
+        generate_btn.click(arm, None, [status, *view_outputs, share], queue=False, api_visibility="private").then(
+            generate, run_inputs, run_outputs, api_name="generate", concurrency_id="gpu",
+            concurrency_limit=1, show_progress_on=[status])
+
+        def record(ref, owned_state):
+            return sessions.add(owned_state, ref["id"], ref["token"]) if ref else gr.skip()
+
+        new_ref.change(record, [new_ref, owned], owned, api_visibility="private")
 
         def request_stop(request: gr.Request):
-            event = stops.get(request.session_hash)
-            if event is not None:
-                event.set()
-            return "**Stopping…**"
+            phase = tabs_state.stop(request.session_hash)
+            if phase == "queued":
+                return "**Stopped:** your queued run will not start."
+            return "**Stopping** after the current step…" if phase == "running" else gr.skip()
 
         stop_btn.click(request_stop, None, status, queue=False, api_visibility="private")
-        def redraw_layer(layer_v, request: gr.Request):
-            return routing_outputs(live.get(request.session_hash), int(layer_v))
 
-        layer.change(redraw_layer, layer, [tier_plot, heat_plot, prompt_view], api_visibility="private")
+        def redraw_layer(layer_v, request: gr.Request):
+            return routing_outputs(tabs_state.live.get(request.session_hash), layer_index(layer_v, layers))
+
+        layer.change(redraw_layer, layer, [tier_plot, heat_plot, moves, prompt_view], api_visibility="private")
 
         # -- replay ---------------------------------------------------------------------------------------------
         def show_replay(session_id, step_v, layer_v, request: gr.Request):
             session_id = (session_id or "").strip()
-            found = studio.replay(session_id, None if step_v is None else int(step_v))
-            if found is None:
-                return (f"**No such session:** `{session_id}`" if session_id else "Enter a session id.",
-                        gr.skip(), "", [], *routing_outputs(None, 0))
-            view, last = found
-            replays[request.session_hash] = (session_id, last)
+            if not session_id:
+                return ("Enter a session id, or open a share link.", gr.skip(), *CLEARED)
+            try:
+                view, last, meta = studio.replay(session_id, None if step_v is None else int(step_v))
+            except (LookupError, ValueError) as err:
+                return (f"**{err}**", gr.skip(), *CLEARED)
+            tabs_state.replays[request.session_hash] = (session_id, last)
             shown = last if step_v is None else min(int(step_v), last)
-            meta = studio.store.get(session_id)
             note = f"Session `{session_id}` — {meta['status']}, step {shown} of {last}"
-            return (note, gr.update(maximum=max(last, 1), value=shown), plots.lanes_html(view),
-                    plots.stats_rows(view), *routing_outputs(view, int(layer_v)))
+            return (note, gr.update(maximum=max(last, 1), value=shown), cards.lanes_html(view),
+                    cards.stats_table(view), plots.bytes_plot(view),
+                    *routing_outputs(view, layer_index(layer_v, layers)))
 
-        replay_outputs = [replay_status, step, replay_lanes, replay_stats, replay_tier, replay_heat, replay_prompt]
+        replay_outputs = [replay_status, step, *[c for c in replay_panel if c is not replay_layer]]
+
         def load_replay(session_id, layer_v, request: gr.Request):
             return show_replay(session_id, None, layer_v, request)
 
@@ -211,10 +307,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
         pause_btn.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
 
         def tick(session_id, step_v, layer_v, request: gr.Request):
-            _, last = replays.get(request.session_hash, (None, 0))
+            _, last = tabs_state.replays.get(request.session_hash, (None, 0))
             nxt = min(int(step_v or 0) + 1, last)
-            outputs = show_replay(session_id, nxt, layer_v, request)
-            return (*outputs, gr.Timer(active=nxt < last))
+            return (*show_replay(session_id, nxt, layer_v, request), gr.Timer(active=nxt < last))
 
         timer.tick(tick, [replay_id, step, replay_layer], [*replay_outputs, timer], api_visibility="private")
 
@@ -226,12 +321,15 @@ def build_demo(studio: Studio) -> gr.Blocks:
                            api_visibility="private")
 
         # -- sessions -------------------------------------------------------------------------------------------
-        def list_sessions():
-            return [[s["id"], (s["created_at"] or "")[:19], s["status"],
-                     ", ".join(lane["name"] for lane in s["request"].get("lanes", [])), s["title"][:80]]
-                    for s in studio.store.list()]
+        def list_sessions(owned_state):
+            return sessions.rows(studio.store, owned_state)
 
-        refresh_btn.click(list_sessions, None, sessions_table, api_visibility="private")
+        owned.change(list_sessions, owned, sessions_table, api_visibility="private")
+        def pick_row(evt: gr.SelectData):
+            return evt.row_value[0] if evt.row_value else gr.skip()
+
+        sessions_table.select(pick_row, None, manage_id, api_visibility="private")
+
         def open_session(session_id, layer_v, request: gr.Request):
             return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, request))
 
@@ -241,7 +339,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
         def export_session(session_id):
             session_id = (session_id or "").strip()
             if studio.store.get(session_id) is None:
-                return None, f"**No such session:** `{session_id}`"
+                return None, f"**No such session:** `{session_id[:64]}`"
             path = os.path.join(tempfile.mkdtemp(prefix="qevict-"), f"qevict-session-{session_id}.json")
             with open(path, "w") as handle:
                 json.dump(studio.store.export(session_id), handle)
@@ -249,39 +347,56 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         export_btn.click(export_session, manage_id, [export_file, manage_status], api_visibility="private")
 
-        def import_session(file):
+        def import_session(file, owned_state):
             if file is None:
                 return gr.skip(), gr.skip()
+            path = file if isinstance(file, str) else file.name
             try:
-                with open(file if isinstance(file, str) else file.name) as handle:
-                    new_id, token = studio.store.import_session(json.load(handle))
-            except (ValueError, json.JSONDecodeError) as err:
-                return f"**Import failed:** {err}", gr.skip()
-            return (f"Imported as `{new_id}` — delete token `{token}` (shown once).", list_sessions())
+                if os.path.getsize(path) > max_import_bytes():
+                    raise ValueError(f"the file is larger than the import limit of "
+                                     f"{max_import_bytes() / 2**20:.0f} MiB")
+                with open(path, "rb") as handle:
+                    new_id, token = studio.store.import_session(handle.read())
+            except ValueError as err:
+                return f"**Import refused, nothing was stored:** {err}", gr.skip()
+            return (f"Imported as `{new_id}` — listed above; open it with **Open in Replay**.",
+                    sessions.add(owned_state, new_id, token))
 
-        import_file.upload(import_session, import_file, [manage_status, sessions_table], api_visibility="private")
+        import_file.upload(import_session, [import_file, owned], [manage_status, owned], api_visibility="private")
 
-        def delete_session(session_id, token):
-            if studio.store.delete((session_id or "").strip(), token or ""):
-                return "Deleted.", list_sessions()
+        def delete_session(session_id, typed_token, owned_state):
+            session_id = (session_id or "").strip()
+            token = sessions.token_for(owned_state, session_id) or (typed_token or "")
+            if studio.store.delete(session_id, token):
+                return "Deleted.", sessions.remove(owned_state, session_id)
             return "**Not deleted:** unknown session id or wrong delete token.", gr.skip()
 
-        delete_btn.click(delete_session, [manage_id, manage_token], [manage_status, sessions_table],
+        delete_btn.click(delete_session, [manage_id, manage_token, owned], [manage_status, owned],
                          api_visibility="private")
 
         # -- deep links and cleanup -----------------------------------------------------------------------------
-        def on_load(layer_v, request: gr.Request):
+        def on_load(layer_v, owned_state, request: gr.Request):
+            listed = sessions.rows(studio.store, owned_state)
             session_id = request.query_params.get("session") if request is not None else None
             if not session_id:
-                return (gr.skip(), gr.skip(), *([gr.skip()] * len(replay_outputs)), list_sessions())
-            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, request),
-                    list_sessions())
+                return (gr.skip(), gr.skip(), *([gr.skip()] * len(replay_outputs)), listed)
+            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, request), listed)
 
-        demo.load(on_load, replay_layer, [tabs, replay_id, *replay_outputs, sessions_table], api_visibility="private")
-
+        demo.load(on_load, [replay_layer, owned], [tabs, replay_id, *replay_outputs, sessions_table],
+                  api_visibility="private")
         def forget(request: gr.Request):
-            for table in (live, replays, stops):
-                table.pop(request.session_hash, None)
+            tabs_state.forget(request.session_hash)
 
         demo.unload(forget)
     return demo
+
+
+def layer_index(value, layers: int) -> int:
+    """The layer picker's value as an index; ValueError naming the range (API callers can send anything)."""
+    try:
+        index = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"layer: must be a whole number from 0 to {layers - 1} (got {value!r})") from None
+    if index != value or not 0 <= index < layers:
+        raise ValueError(f"layer: must be a whole number from 0 to {layers - 1} (got {value!r})")
+    return index

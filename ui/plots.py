@@ -1,35 +1,43 @@
-"""Figures and HTML of a ``RunView``: pure functions, no Gradio.
+"""Plotly figures of a ``RunView``: pure functions, no Gradio.
 
-Plotly figures use ``template="none"`` and rounded values so the JSON Gradio re-sends on every refresh stays
-small; they are refreshed at routing events only.
+Figures use ``template="none"`` and rounded values so the JSON Gradio re-sends on every refresh stays small; they
+are refreshed at routing events only. Legends sit above the plot area and colour scales are horizontal, so on a
+390 px phone screen the data keeps most of the width.
 """
 
 from __future__ import annotations
 
-import html
-
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
+from .cards import TIER_COLORS
 from .view import RunView, window_tier
 
-TIER_COLORS = {"sink": "#6b7280", "recent": "#3b82f6", "full": "#16a34a", "quantized": "#f59e0b",
-               "evicted": "#ef4444"}
 TIER_CODES = {None: 0, "recent": 1, "full": 2, "quantized": 3, "evicted": 4}
-TIER_NAMES = ["not yet", "recent", "full (fp)", "quantized (low-bit)", "evicted"]
+TIER_NAMES = ["not yet", "recent", "full precision", "low-bit", "evicted"]
+# Memory components grouped for the stacked bytes plot: what a reader can tell apart.
+BYTE_GROUPS = {
+    "full precision": ("sink", "recent", "full"),
+    "low-bit codes": ("quantized",),
+    "low-bit scales": ("quant_meta",),
+    "bookkeeping": ("index", "ledger", "scores", "query_buffer"),
+}
+GROUP_COLORS = {"full precision": TIER_COLORS["full"], "low-bit codes": TIER_COLORS["quantized"],
+                "low-bit scales": "#fcd34d", "bookkeeping": "#9ca3af"}
+MiB = 2**20
+TOP_LEGEND = {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "font": {"size": 11}}
 
 
-def _discrete_scale() -> list:
-    colors = ["#ffffff", TIER_COLORS["recent"], TIER_COLORS["full"], TIER_COLORS["quantized"], TIER_COLORS["evicted"]]
-    scale = []
-    for i, color in enumerate(colors):
-        scale += [[i / len(colors), color], [(i + 1) / len(colors), color]]
-    return scale
+def _layout(fig: go.Figure, title: str, height: int = 380) -> go.Figure:
+    fig.update_layout(template="none", height=height, margin={"l": 50, "r": 10, "t": 70, "b": 45},
+                      title={"text": title, "font": {"size": 13}, "y": 0.98, "yanchor": "top"}, legend=TOP_LEGEND)
+    return fig
 
 
 def empty_figure(message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    fig.update_layout(template="none", height=260, xaxis={"visible": False}, yaxis={"visible": False},
+    fig.update_layout(template="none", height=200, xaxis={"visible": False}, yaxis={"visible": False},
                       margin={"l": 10, "r": 10, "t": 10, "b": 10})
     return fig
 
@@ -44,27 +52,30 @@ def tier_map(view: RunView, lane: str | None, layer: int) -> go.Figure:
     z = [[0] * len(events) for _ in range(n_windows)]
     promoted, demoted = ([], []), ([], [])
     for col, event in enumerate(events):
-        full, quant = set(event["full"]), set(event["quantized"])
-        compact = {**event, "full": full, "quantized": quant}
+        compact = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
         for w in range(n_windows):
             z[w][col] = TIER_CODES[window_tier(compact, w, sinks, omega)]
         for w in event["promoted"]:
             promoted[0].append(col), promoted[1].append(w)
         for w in event["demoted"]:
             demoted[0].append(col), demoted[1].append(w)
+    colors = ["#ffffff", TIER_COLORS["recent"], TIER_COLORS["full"], TIER_COLORS["quantized"], TIER_COLORS["evicted"]]
+    scale = [[bound, color] for i, color in enumerate(colors) for bound in (i / 5, (i + 1) / 5)]
     steps = [e["step"] for e in events]
-    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), colorscale=_discrete_scale(), zmin=-0.5, zmax=4.5,
-                               hovertemplate="event %{x}, window %{y}<extra></extra>",
-                               colorbar={"tickvals": list(range(5)), "ticktext": TIER_NAMES, "thickness": 12}))
-    fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted Q→F",
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), colorscale=scale, zmin=-0.5, zmax=4.5,
+                               showscale=False, customdata=[[TIER_NAMES[c] for c in row] for row in z],
+                               hovertemplate="event %{x}, window %{y}: %{customdata}<extra></extra>"))
+    for name, color in zip(TIER_NAMES[1:], colors[1:]):  # a legend instead of a colour bar
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
+                                 marker={"symbol": "square", "size": 10, "color": color}))
+    fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted ▲",
                              marker={"symbol": "triangle-up", "color": "#111827", "size": 8}))
-    fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted F→Q",
+    fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted ▼",
                              marker={"symbol": "triangle-down", "color": "#7c3aed", "size": 8}))
-    fig.update_layout(template="none", height=360, margin={"l": 50, "r": 10, "t": 30, "b": 40},
-                      title={"text": f"{lane}: layer {layer} tiers per routing event", "font": {"size": 13}},
-                      xaxis={"title": "routing event (0 = prefill)", "tickvals": list(range(len(events))),
+    fig = _layout(fig, f"{lane}: layer {layer}, tier of each window per routing event")
+    fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},
-                      yaxis={"title": f"window (Ω={omega} tokens)"}, legend={"orientation": "h", "y": -0.25})
+                      yaxis={"title": f"window ({omega} tokens)"})
     return fig
 
 
@@ -79,86 +90,40 @@ def score_heatmap(view: RunView, lane: str | None) -> go.Figure:
     z = []
     for layer in rows:
         scores = {int(k): v for k, v in latest[layer]["scores"].items()}
-        z.append([round(scores[w], 3) if w in scores else None for w in range(n_windows)])
-    fig = go.Figure(go.Heatmap(z=z, y=rows, colorscale="Viridis", colorbar={"title": "score", "thickness": 12},
+        z.append([round(scores[w], 3) if scores.get(w) is not None else None for w in range(n_windows)])
+    fig = go.Figure(go.Heatmap(z=z, y=rows, colorscale="Viridis",
+                               colorbar={"title": {"text": "score", "side": "top"}, "orientation": "h",
+                                         "thickness": 8, "len": 0.6, "y": 1.02, "yanchor": "bottom"},
                                hovertemplate="layer %{y}, window %{x}: %{z}<extra></extra>"))
-    fig.update_layout(template="none", height=360, margin={"l": 50, "r": 10, "t": 30, "b": 40},
-                      title={"text": f"{lane}: cumulative window scores (blank = evicted)", "font": {"size": 13}},
-                      xaxis={"title": "window"}, yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
+    fig = _layout(fig, f"{lane}: cumulative attention per window (blank = evicted)")
+    fig.update_layout(xaxis={"title": "window"}, yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
     return fig
 
 
-def prompt_html(view: RunView, lane: str | None, layer: int) -> str:
-    """The prompt, each token on the colour of its window's tier at the latest routing event of ``layer``."""
-    pieces = view.request.get("prompt_tokens") or []
-    events = view.layer_events(lane, layer) if lane else []
-    if not pieces:
-        return ""
-    event = events[-1] if events else None
-    if event is not None:
-        event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
-    spans, current, run = [], None, []
-    for position, piece in enumerate(pieces):
-        if position < view.sinks:
-            tier = "sink"
-        elif event is None:
-            tier = "recent"
-        else:
-            tier = window_tier(event, (position - view.sinks) // view.omega, view.sinks, view.omega) or "recent"
-        if tier != current and run:
-            spans.append(_span(current, run))
-            run = []
-        current = tier
-        run.append(piece)
-    if run:
-        spans.append(_span(current, run))
-    legend = " ".join(f'<span style="background:{c}33;border-bottom:3px solid {c};padding:0 4px">{t}</span>'
-                      for t, c in TIER_COLORS.items())
-    title = html.escape(f"{lane}, layer {layer}") if lane else "prompt"
-    return (f'<div class="qe-prompt"><div style="margin-bottom:6px"><b>{title}</b> — {legend}</div>'
-            f'<div style="white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:12px;line-height:1.6;'
-            f'max-height:320px;overflow:auto">{"".join(spans)}</div></div>')
-
-
-def _span(tier: str, pieces: list[str]) -> str:
-    color = TIER_COLORS[tier]
-    return f'<span title="{tier}" style="background:{color}33">{html.escape("".join(pieces))}</span>'
-
-
-def lanes_html(view: RunView) -> str:
-    """Side-by-side outputs, one card per lane, with live bytes, ratio and speed. Text is escaped."""
-    cards = []
-    for lane in view.lanes.values():
-        stats = f"{len(lane.tokens)} tokens"
-        if lane.fullkv_bytes:
-            stats += f" · KV {lane.total_bytes / 2**20:.2f} MiB = {lane.ratio:.1%} of FullKV"
-        if lane.tokens_per_second:
-            stats += f" · {lane.tokens_per_second:.1f} tok/s"
-        if lane.done:
-            stats += f" · {html.escape(lane.done)}"
-        cards.append(
-            f'<div class="qe-lane" data-lane="{html.escape(lane.name)}" style="flex:1;min-width:220px;border:1px solid '
-            f'#d1d5db;border-radius:8px;padding:8px"><div><b>{html.escape(lane.name)}</b></div>'
-            f'<div class="qe-stats" style="font-size:12px;color:#4b5563">{stats}</div>'
-            f'<div class="qe-text" style="white-space:pre-wrap;overflow-wrap:anywhere;margin-top:6px">'
-            f'{html.escape(lane.text)}</div></div>')
-    return f'<div style="display:flex;gap:10px;flex-wrap:wrap">{"".join(cards)}</div>'
-
-
-STATS_HEADERS = ["lane", "method", "tokens", "KV MiB", "of FullKV", "budget", "prefill s", "tok/s",
-                 "promoted", "demoted", "evicted", "agree w/ FullKV", "same prefix"]
-
-
-def stats_rows(view: RunView) -> list[list]:
-    agreement = view.agreement()
-    rows = []
-    for lane in view.lanes.values():
-        agree, prefix = agreement.get(lane.name, (None, None))
-        budget = lane.budget_bytes / 2**20 if lane.budget_bytes else None
-        evicted = lane.summary.get("evictions", lane.evictions)
-        rows.append([lane.name, lane.method, len(lane.tokens), round(lane.total_bytes / 2**20, 3),
-                     f"{lane.ratio:.1%}", f"{budget:.3f} MiB" if budget else "—", round(lane.prefill_seconds, 2),
-                     round(lane.tokens_per_second, 2), lane.summary.get("promotions", lane.promotions),
-                     lane.summary.get("demotions", lane.demotions), evicted,
-                     f"{agree:.0%}" if agree is not None else "—", prefix if prefix is not None else "—"])
-    return rows
+def bytes_plot(view: RunView) -> go.Figure:
+    """Per lane, the measured KV bytes over the run, stacked by what holds them, with FullKV's for reference."""
+    lanes = [lane for lane in view.lanes.values() if lane.history]
+    if not lanes:
+        return empty_figure("Bytes per tier appear once the prompt is read.")
+    fig = make_subplots(rows=1, cols=len(lanes), shared_yaxes=True, subplot_titles=[lane.name for lane in lanes],
+                        horizontal_spacing=0.04)
+    in_legend: set[str] = set()
+    for col, lane in enumerate(lanes, start=1):
+        steps = [step for step, _, _ in lane.history]
+        series = {group: [round(sum(c.get(p, 0) for p in parts) / MiB, 4) for _, c, _ in lane.history]
+                  for group, parts in BYTE_GROUPS.items()}
+        series["FullKV"] = [round(f / MiB, 4) for _, _, f in lane.history]
+        for group, values in series.items():
+            if not any(values):
+                continue
+            style = ({"mode": "lines", "line": {"dash": "dot", "color": "#111827", "width": 1}} if group == "FullKV"
+                     else {"mode": "lines", "stackgroup": f"lane{col}",
+                           "line": {"width": 0.5, "color": GROUP_COLORS[group]}})
+            fig.add_trace(go.Scatter(x=steps, y=values, name=group, legendgroup=group,
+                                     showlegend=group not in in_legend, **style), row=1, col=col)
+            in_legend.add(group)
+    fig = _layout(fig, "KV bytes over the run, stacked by tier (MiB)", height=340)
+    fig.update_layout(legend={"orientation": "h", "y": -0.3, "yanchor": "top", "x": 0},
+                      margin={"l": 50, "r": 10, "t": 60, "b": 90})
+    fig.update_xaxes(title_text="step")
+    return fig

@@ -1,7 +1,7 @@
 """What a run looks like at some step, rebuilt from its event stream.
 
 Live runs and replays feed the same ``RunView`` with the same event dicts (the ones storage keeps), so a replay
-redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` turns it into figures/HTML.
+redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` and ``ui/cards.py`` draw it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from typing import Any
 class LaneView:
     name: str
     method: str
+    note: str = ""  # why this lane runs at another budget than the one asked for
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the text each token added
     total_bytes: int = 0
     fullkv_bytes: int = 0
     budget_bytes: int | None = None
     peak_bytes: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)  # tokens per tier in one layer (mean over layers)
+    history: list[tuple[int, dict[str, int], int]] = field(default_factory=list)  # (step, components, FullKV bytes)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     promotions: int = 0
@@ -29,9 +33,9 @@ class LaneView:
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def tokens_per_second(self) -> float:
+    def ms_per_token(self) -> float | None:
         decoded = len(self.tokens) - 1
-        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+        return 1000 * self.decode_seconds / decoded if decoded > 0 and self.decode_seconds > 0 else None
 
     @property
     def ratio(self) -> float:
@@ -43,7 +47,8 @@ class RunView:
 
     def __init__(self, request: dict[str, Any]):
         self.request = request
-        self.lanes = {lane["name"]: LaneView(lane["name"], lane["method"]) for lane in request["lanes"]}
+        self.lanes = {lane["name"]: LaneView(lane["name"], lane["method"], lane.get("note", ""))
+                      for lane in request["lanes"]}
         self.routing: dict[str, dict[int, list[dict]]] = {name: {} for name in self.lanes}
         self.step = -1
 
@@ -55,6 +60,14 @@ class RunView:
     def omega(self) -> int:
         return int(self.request["config"]["omega"])
 
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.request["sampling"]["max_new_tokens"])
+
+    @property
+    def expected(self) -> str:
+        return self.request.get("expected", "")
+
     def apply(self, event: dict[str, Any]) -> bool:
         """Fold one event in; True when it changes the routing figures."""
         lane = self.lanes[event["lane"]]
@@ -62,6 +75,7 @@ class RunView:
         self.step = max(self.step, int(event.get("step", 0)))
         if kind == "token":
             lane.tokens.append(event["token_id"])
+            lane.pieces.append(event["text"])
             lane.text += event["text"]
             if len(lane.tokens) == 1:
                 lane.prefill_seconds = event["seconds"]
@@ -70,6 +84,8 @@ class RunView:
         elif kind == "memory":
             lane.total_bytes, lane.fullkv_bytes = event["total_bytes"], event["fullkv_bytes"]
             lane.budget_bytes, lane.peak_bytes = event["budget_bytes"], event["peak_bytes"]
+            lane.tiers = event.get("tiers") or {}
+            lane.history.append((int(event["step"]), event["components"], event["fullkv_bytes"]))
         elif kind == "routing":
             self.routing[lane.name].setdefault(event["layer"], []).append(event)
             lane.promotions += len(event["promoted"])
@@ -86,9 +102,12 @@ class RunView:
     def layer_events(self, lane: str, layer: int) -> list[dict]:
         return self.routing.get(lane, {}).get(layer, [])
 
+    def reference(self) -> LaneView | None:
+        return next((lane for lane in self.lanes.values() if lane.method == "fullkv"), None)
+
     def agreement(self) -> dict[str, tuple[float, int]]:
         """Per lane: (fraction of positions equal to FullKV's tokens, identical prefix length)."""
-        reference = next((lane for lane in self.lanes.values() if lane.method == "fullkv"), None)
+        reference = self.reference()
         if reference is None:
             return {}
         out = {}
@@ -100,6 +119,13 @@ class RunView:
             prefix = same.index(False) if False in same else n
             out[lane.name] = (sum(same) / n, prefix)
         return out
+
+    def token_text(self, lane: str, start: int, stop: int) -> str:
+        """The text of absolute positions [start, stop) as ``lane`` saw them (prompt, then its own tokens)."""
+        prompt = self.request.get("prompt_tokens") or []
+        own = self.lanes[lane].pieces
+        return "".join(prompt[i] if i < len(prompt) else own[i - len(prompt)]
+                       for i in range(start, stop) if i < len(prompt) + len(own))
 
 
 def window_tier(event: dict, window: int, sinks: int, omega: int) -> str | None:

@@ -1,0 +1,205 @@
+"""The declared shape of a stored session: what an import must be, and what a replay may assume.
+
+Everything a visitor can send (an import file) and everything read back from the database passes through these
+models, so one malformed document is refused with a message instead of reaching a page. Models are strict (no
+"12" for 12), refuse unknown keys and non-finite numbers, and cap every size: a document is bounded in bytes
+(``max_import_bytes``) and in the number of events, lanes, windows and characters it may hold.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from qevict_core import QEvictConfig
+from qevict_core.registry import METHODS
+
+EXPORT_FORMAT = "qevict-session/1"
+MAX_LANES = 3
+MAX_PROMPT_CHARS = 200_000
+MAX_NEW_TOKENS = 4096
+MAX_EVENTS = 250_000
+MAX_WINDOWS = 1_000_000
+
+
+def max_import_bytes() -> int:
+    """Import size limit: $QEVICT_IMPORT_MAX_MB (default 16 MiB, a 3-lane run of a few hundred tokens on 2K-token
+    prompts exports ~1-3 MiB; the routing events of an 8K prompt are what make a document large)."""
+    return int(float(os.environ.get("QEVICT_IMPORT_MAX_MB", "16")) * 2**20)
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Seconds = Annotated[float, Field(allow_inf_nan=False, ge=0, le=10**7)]
+Count = Annotated[int, Field(ge=0, le=10**15)]
+Step = Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
+LaneName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,40}(#[0-9]{1,2})?$")]
+Window = Annotated[int, Field(ge=0, le=MAX_WINDOWS)]
+WindowKey = Annotated[str, Field(pattern=r"^[0-9]{1,7}$")]
+Windows = Annotated[list[Window], Field(max_length=MAX_WINDOWS)]
+Key = Annotated[str, Field(min_length=1, max_length=40)]
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class LaneSpec(BaseModel):
+    model_config = STRICT
+    name: LaneName
+    method: str
+    budget_bytes: Annotated[int, Field(ge=1, le=10**15)] | None = None  # when the studio raised this lane's budget
+    note: Annotated[str, Field(max_length=1000)] = ""
+
+    @field_validator("method")
+    @classmethod
+    def _known(cls, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method[:40]!r}; allowed: {sorted(METHODS)}")
+        return method
+
+
+class SamplingSpec(BaseModel):
+    model_config = STRICT
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    temperature: Annotated[float, Field(allow_inf_nan=False, ge=0, le=10)]
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class RequestSpec(BaseModel):
+    model_config = STRICT
+    model: Annotated[str, Field(max_length=300)] = ""
+    lanes: Annotated[list[LaneSpec], Field(min_length=1, max_length=MAX_LANES)]
+    config: dict[Key, Any]
+    sampling: SamplingSpec
+    prompt_length: Annotated[int, Field(ge=1, le=10**6)]
+    prompt_tokens: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=10**6)]
+    prompt_span: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)] | None = None
+    expected: Annotated[str, Field(max_length=200)] = ""  # the answer the prompt asks for, when known
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, config: dict) -> dict:
+        QEvictConfig.from_dict(config)  # its own checks: types, ranges, finite numbers, known keys
+        return config
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RequestSpec:
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lane names must be unique (got {names})")
+        if len(self.prompt_tokens) != self.prompt_length:
+            raise ValueError(f"prompt_tokens has {len(self.prompt_tokens)} entries for prompt_length "
+                             f"{self.prompt_length}")
+        if self.prompt_span is not None and not self.prompt_span[0] <= self.prompt_span[1] <= self.prompt_length:
+            raise ValueError(f"prompt_span {self.prompt_span} must lie within the prompt's {self.prompt_length} tokens")
+        return self
+
+
+class TokenDoc(BaseModel):
+    model_config = STRICT
+    kind: Literal["token"]
+    lane: LaneName
+    step: Step
+    token_id: Annotated[int, Field(ge=0, le=10**7)]
+    text: Annotated[str, Field(max_length=1000)]
+    seconds: Seconds = 0.0
+
+
+class MemoryDoc(BaseModel):
+    model_config = STRICT
+    kind: Literal["memory"]
+    lane: LaneName
+    step: Step
+    total_bytes: Count
+    fullkv_bytes: Count
+    budget_bytes: Count | None
+    peak_bytes: Count
+    components: Annotated[dict[Key, Count], Field(max_length=32)]
+    tiers: Annotated[dict[Key, Count], Field(max_length=8)] = {}
+
+
+class RoutingDoc(BaseModel):
+    model_config = STRICT
+    kind: Literal["routing"]
+    lane: LaneName
+    step: Step
+    layer: Annotated[int, Field(ge=0, le=1024)]
+    seen: Annotated[int, Field(ge=0, le=10**7)]
+    recent_start: Annotated[int, Field(ge=0, le=10**7)]
+    full: Windows
+    quantized: Windows
+    promoted: Windows
+    demoted: Windows
+    evicted: Windows
+    admitted: Annotated[dict[WindowKey, Literal["full", "quantized", "evicted"]], Field(max_length=MAX_WINDOWS)] = {}
+    scores: Annotated[dict[WindowKey, Finite | None], Field(max_length=MAX_WINDOWS)] = {}
+
+
+class DoneDoc(BaseModel):
+    model_config = STRICT
+    kind: Literal["done"]
+    lane: LaneName
+    step: Step
+    reason: Annotated[str, Field(max_length=2000)]
+    text: Annotated[str, Field(max_length=MAX_NEW_TOKENS * 64)]
+    tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
+    prefill_seconds: Seconds
+    decode_seconds: Seconds
+    summary: Annotated[dict[Key, int | Finite | bool | None], Field(max_length=32)] = {}
+
+
+EventDoc = Annotated[Union[TokenDoc, MemoryDoc, RoutingDoc, DoneDoc], Field(discriminator="kind")]
+EVENT_MODELS = {"token": TokenDoc, "memory": MemoryDoc, "routing": RoutingDoc, "done": DoneDoc}
+
+
+class SessionSpec(BaseModel):
+    """The session part of an export; status, ids, times and summary are the exporter's and are not kept."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    request: RequestSpec
+
+
+class SessionDocument(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    format: Literal["qevict-session/1"]
+    session: SessionSpec
+    events: Annotated[list[EventDoc], Field(max_length=MAX_EVENTS)]
+
+    @model_validator(mode="after")
+    def _events_fit_the_request(self) -> SessionDocument:
+        request = self.session.request
+        lanes = {lane.name for lane in request.lanes}
+        last = request.sampling.max_new_tokens - 1
+        for i, event in enumerate(self.events):
+            if event.lane not in lanes:
+                raise ValueError(f"event {i} belongs to lane {event.lane!r}, not one of {sorted(lanes)}")
+            if event.step > last:
+                raise ValueError(f"event {i} is at step {event.step}, beyond max_new_tokens={last + 1}")
+        return self
+
+
+def parse_document(raw: bytes | str | dict) -> SessionDocument:
+    """A validated export, or ValueError with what is wrong (the first few problems, by location)."""
+    try:
+        if isinstance(raw, dict):
+            return SessionDocument.model_validate(raw)
+        return SessionDocument.model_validate_json(raw)
+    except ValidationError as err:
+        raise ValueError(describe(err)) from None
+
+
+def parse_stored(prompt: Any, request: Any, events: list[Any]) -> tuple[RequestSpec, list]:
+    """A stored session checked against the same models (a row written by an older version, or by hand, may not
+    fit): -> (request, events), or ValueError."""
+    doc = {"format": EXPORT_FORMAT, "session": {"prompt": prompt, "request": request}, "events": events}
+    parsed = parse_document(doc)
+    return parsed.session.request, parsed.events
+
+
+def describe(err: ValidationError, limit: int = 3) -> str:
+    problems = []
+    for item in err.errors()[:limit]:
+        where = ".".join(str(part) for part in item["loc"]) or "document"
+        problems.append(f"{where}: {item['msg']}")
+    more = err.error_count() - limit
+    return "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")

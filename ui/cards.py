@@ -1,0 +1,157 @@
+"""HTML and table rows of a ``RunView``: the lane cards, the prompt coloured by tier, routing moves in words and
+the stats table. Pure functions; every piece of text that came from a visitor or the model is escaped."""
+
+from __future__ import annotations
+
+import html
+
+from .view import LaneView, RunView, window_tier
+
+TIER_COLORS = {"sink": "#6b7280", "recent": "#3b82f6", "full": "#16a34a", "quantized": "#f59e0b",
+               "evicted": "#ef4444"}
+TIER_WORDS = {"sink": "sink", "recent": "recent", "full": "full precision", "quantized": "low-bit",
+              "evicted": "evicted"}
+MiB = 2**20
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def verdict(view: RunView, lane: LaneView) -> tuple[str, str]:
+    """(css class, words) comparing ``lane`` with the FullKV lane and with the expected answer."""
+    parts, good = [], True
+    expected = view.expected
+    if expected and lane.tokens:
+        found = expected.lower() in lane.text.lower()
+        good &= found
+        parts.append(f"{'✓ contains' if found else '✗ does not contain'} the expected answer “{expected}”")
+    agreement = view.agreement().get(lane.name)
+    if lane.method == "fullkv":
+        parts.append("the reference: nothing compressed")
+    elif agreement is not None:
+        share, prefix = agreement
+        reference = view.reference()
+        if prefix == len(lane.tokens) == len(reference.tokens):
+            parts.append("✓ same tokens as FullKV")
+        else:
+            good = False
+            parts.append(f"same as FullKV for the first {prefix} tokens, then differs "
+                         f"({share:.0%} of positions agree)")
+    return ("qe-good" if good else "qe-bad"), " · ".join(parts)
+
+
+def lanes_html(view: RunView) -> str:
+    """Side-by-side outputs, one card per lane: verdict, bytes, tiers, speed; text after the first token that
+    differs from FullKV is underlined."""
+    cards = []
+    agreement = view.agreement()
+    for lane in view.lanes.values():
+        css, words = verdict(view, lane)
+        stats = [f"{len(lane.tokens)} tokens"]
+        if lane.fullkv_bytes:
+            stats.append(f"KV {lane.total_bytes / MiB:.2f} MiB = {lane.ratio:.1%} of FullKV")
+        if lane.tiers:
+            stats.append("per layer: " + ", ".join(f"{lane.tiers[t]} {TIER_WORDS[t]}" for t in TIER_WORDS
+                                                   if lane.tiers.get(t)) + " tokens")
+        if lane.ms_per_token:
+            stats.append(f"{lane.ms_per_token:.0f} ms per token (shared forward)")
+        if lane.done:
+            stats.append(_esc(lane.done))
+        prefix = agreement.get(lane.name, (None, len(lane.tokens)))[1]
+        same = "".join(lane.pieces[:prefix])
+        same, rest = (same, lane.text[len(same):]) if lane.text.startswith(same) else (lane.text, "")
+        note = f'<div class="qe-note">{_esc(lane.note)}</div>' if lane.note else ""
+        cards.append(
+            f'<div class="qe-lane" data-lane="{_esc(lane.name)}"><div><b>{_esc(lane.name)}</b> '
+            f'<span class="qe-verdict {css}">{_esc(words)}</span></div>{note}'
+            f'<div class="qe-stats">{" · ".join(stats)}</div>'
+            f'<div class="qe-text">{_esc(same)}<span class="qe-diverged" title="differs from FullKV">'
+            f'{_esc(rest)}</span></div></div>')
+    return f'<div class="qe-lanes">{"".join(cards)}</div>'
+
+
+def prompt_html(view: RunView, lane: str | None, layer: int) -> str:
+    """The user's prompt (no chat-template markup), each token on the colour of its window's tier at the latest
+    routing event of ``layer``."""
+    pieces = view.request.get("prompt_tokens") or []
+    if not pieces:
+        return ""
+    start, stop = view.request.get("prompt_span") or (0, len(pieces))
+    events = view.layer_events(lane, layer) if lane else []
+    event = events[-1] if events else None
+    if event is not None:
+        event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
+    spans, current, run = [], None, []
+    for position in range(start, stop):
+        if position < view.sinks:
+            tier = "sink"
+        elif event is None:
+            tier = "recent"
+        else:
+            tier = window_tier(event, (position - view.sinks) // view.omega, view.sinks, view.omega) or "recent"
+        if tier != current and run:
+            spans.append(_span(current, run))
+            run = []
+        current = tier
+        run.append(pieces[position])
+    if run:
+        spans.append(_span(current, run))
+    legend = " ".join(f'<span class="qe-key" style="background:{c}33;border-bottom:3px solid {c}">{TIER_WORDS[t]}'
+                      f'</span>' for t, c in TIER_COLORS.items())
+    hidden = len(pieces) - (stop - start)
+    title = _esc(f"{lane}, layer {layer}") if lane else "prompt"
+    note = (f" The chat template adds {hidden} tokens around it (the first {view.sinks} are the attention sinks);"
+            " they are not shown." if hidden else "")
+    return (f'<div class="qe-prompt"><div><b>{title}</b> — {legend}</div><div class="qe-caption">Your prompt, '
+            f'each token on the colour of its window\'s tier after the latest routing event.{note}</div>'
+            f'<div class="qe-prompt-text">{"".join(spans)}</div></div>')
+
+
+def _span(tier: str, pieces: list[str]) -> str:
+    return f'<span title="{TIER_WORDS[tier]}" style="background:{TIER_COLORS[tier]}33">{_esc("".join(pieces))}</span>'
+
+
+def moves_html(view: RunView, lane: str | None, layer: int, limit: int = 12) -> str:
+    """The latest promotions and demotions of ``layer`` in words, with the text of each window."""
+    events = view.layer_events(lane, layer) if lane else []
+    lines = []
+    for event in reversed(events):
+        for window, move in ([(w, "promoted: low-bit → full precision") for w in event["promoted"]]
+                             + [(w, "demoted: full precision → low-bit") for w in event["demoted"]]):
+            first = view.sinks + window * view.omega
+            snippet = " ".join(view.token_text(lane, first, first + view.omega).split())[:60]
+            lines.append(f"<li>step {event['step']}: window {window} (tokens {first}–{first + view.omega - 1}, "
+                         f"“{_esc(snippet)}”) {move}</li>")
+        if event["evicted"]:
+            lines.append(f"<li>step {event['step']}: {len(event['evicted'])} window(s) evicted for good "
+                         f"({', '.join(map(str, event['evicted'][:8]))}{'…' if len(event['evicted']) > 8 else ''})"
+                         f"</li>")
+        if len(lines) >= limit:
+            break
+    if not lines:
+        return ('<div class="qe-moves">No routing moves yet in this layer: windows move at routing events, every '
+                'Ω generated tokens.</div>')
+    return (f'<div class="qe-moves"><b>{_esc(str(lane))}, layer {layer}: latest routing moves</b>'
+            f'<ul>{"".join(lines[:limit])}</ul></div>')
+
+
+MEASURES = ["tokens generated", "KV MiB now", "% of FullKV's bytes", "full-precision tokens per layer",
+            "low-bit tokens per layer", "evicted tokens per layer", "promotions (windows)", "demotions (windows)",
+            "ms per token (shared forward)", "% of tokens same as FullKV"]
+
+
+def stats_table(view: RunView) -> dict:
+    """Measures (rows) x lanes (columns), one unit per row, so three lanes fit a phone screen. Token rows are per
+    layer (mean over layers), moves are windows summed over layers, time is that of the shared forward."""
+    agreement = view.agreement()
+    columns = []
+    for lane in view.lanes.values():
+        agree = agreement.get(lane.name, (None, None))[0]
+        tiers, ms = lane.tiers, lane.ms_per_token
+        columns.append([len(lane.tokens), round(lane.total_bytes / MiB, 3), round(100 * lane.ratio, 1),
+                        tiers.get("sink", 0) + tiers.get("recent", 0) + tiers.get("full", 0),
+                        tiers.get("quantized", 0), tiers.get("evicted", 0), lane.promotions, lane.demotions,
+                        round(ms, 1) if ms else None, round(100 * agree) if agree is not None else None])
+    rows = [[measure, *(column[i] for column in columns)] for i, measure in enumerate(MEASURES)]
+    return {"headers": ["measure", *view.lanes], "data": rows}

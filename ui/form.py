@@ -1,0 +1,123 @@
+"""The door: what a visitor (browser or API client) may send to Generate, as a declared schema.
+
+Gradio's sliders clamp typed values in the browser but an API client can send anything JSON holds, so every value
+is checked here against the ranges the controls show, non-finite numbers included, and a refusal names the
+control, the allowed range and the value that was sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from qevict_core import QEvictConfig, Sampling
+from qevict_core.config import BITS, SCORERS
+from qevict_core.registry import METHODS
+from storage.schema import MAX_PROMPT_CHARS
+
+NO_LANE = "(none)"
+MAX_NEW_TOKENS = 512
+LABELS = {
+    "prompt": "Prompt", "lanes": "Lanes", "budget": "KV budget", "omega": "Ω (window)",
+    "q_frac": "q (quantized share)",
+    "bits": "bits", "sinks": "sinks", "recent": "recent", "scorer": "scorer", "promotion": "promotion",
+    "max_new_tokens": "Max new tokens", "temperature": "temperature", "seed": "seed", "layer": "layer",
+    "expected": "Expected answer",
+}
+
+
+def _number(low: float, high: float) -> Any:
+    return Field(ge=low, le=high, allow_inf_nan=False)
+
+
+class RunForm(BaseModel):
+    """The Generate controls. Ranges are the controls' own; ints accept integral floats (sliders send 8.0)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+    lanes: Annotated[list[str | None], Field(min_length=1, max_length=3)]
+    budget: Annotated[float, _number(0.01, 1.0)]
+    omega: Annotated[int, Field(ge=1, le=64)]
+    q_frac: Annotated[float, _number(0.0, 1.0)]
+    bits: int
+    sinks: Annotated[int, Field(ge=0, le=64)]
+    recent: Annotated[int, Field(ge=0, le=1024)]
+    scorer: str
+    promotion: bool
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    temperature: Annotated[float, _number(0.0, 2.0)] = 0.0
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    expected: Annotated[str, Field(max_length=200)] = ""
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError("it is empty: write one or pick an example")
+        return prompt
+
+    @field_validator("lanes")
+    @classmethod
+    def _methods(cls, lanes: list[str | None]) -> list[str | None]:
+        unknown = [m for m in lanes if m and m != NO_LANE and m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {[m[:40] for m in unknown]}; allowed: {sorted(METHODS)} or {NO_LANE}")
+        if not any(m and m != NO_LANE for m in lanes):
+            raise ValueError("choose at least one lane")
+        return lanes
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, bits: int) -> int:
+        if bits not in BITS:
+            raise ValueError(f"must be one of {BITS}")
+        return bits
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer(cls, scorer: str) -> str:
+        if scorer not in SCORERS:
+            raise ValueError(f"must be one of {SCORERS}")
+        return scorer
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    prompt: str
+    methods: tuple[str, ...]
+    config: QEvictConfig
+    sampling: Sampling
+    expected: str = ""
+
+
+def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_frac: Any, bits: Any, sinks: Any,
+                  recent: Any, scorer: Any, promotion: Any, max_new_tokens: Any, temperature: Any = 0.0,
+                  seed: Any = 0, expected: Any = "") -> RunRequest:
+    """Raw control values -> a request; ValueError naming the control, what is allowed and what was sent."""
+    try:
+        form = RunForm(prompt=prompt, lanes=list(methods), budget=budget, omega=omega, q_frac=q_frac, bits=bits,
+                       sinks=sinks, recent=recent, scorer=scorer, promotion=promotion,
+                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                       expected=expected if expected is not None else "")
+    except ValidationError as err:
+        raise ValueError(readable(err)) from None
+    chosen = tuple(m for m in form.lanes if m and m != NO_LANE)
+    config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, bits=form.bits, sinks=form.sinks,
+                          recent=form.recent, scorer=form.scorer, promotion=form.promotion)
+    sampling = Sampling(max_new_tokens=form.max_new_tokens, temperature=form.temperature, seed=form.seed)
+    return RunRequest(form.prompt, chosen, config, sampling, form.expected.strip())
+
+
+def readable(err: ValidationError) -> str:
+    """One sentence per problem: '<control>: <what is wrong> (got <value>)'."""
+    problems = []
+    for item in err.errors()[:4]:
+        field = str(item["loc"][0]) if item["loc"] else "request"
+        message = item["msg"].removeprefix("Value error, ")
+        value = repr(item.get("input"))
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        got = f" (got {shown})" if field not in ("prompt", "lanes") else ""
+        problems.append(f"{LABELS.get(field, field)}: {message}{got}")
+    return "; ".join(problems) + "."

@@ -1,0 +1,39 @@
+"""Words for everything the studio shows: the columns, the tiers and the paper's diagnostics (Appendix I)."""
+
+GLOSSARY = """
+**Tiers** (QEvict keeps the past in contiguous *windows* of Ω tokens):
+- **sink** — the first few tokens, always kept in full precision (attention piles up on them).
+- **recent** — the newest tokens, always kept in full precision until they are old enough to be routed.
+- **full precision** — windows ranked highest by cumulative attention, kept exactly.
+- **low-bit** — the next windows, stored in 2 or 4 bits per number. They still take part in attention and keep
+  earning score, so a window can be **promoted** back to full precision (▲) when it becomes important again, or
+  **demoted** to low-bit (▼) when it fades. Its codes are written once and reused, so moves add no error.
+- **evicted** — the lowest-ranked windows, deleted for good.
+
+**Lane cards and the stats table**
+- **KV MiB / % of FullKV** — bytes of every tensor the cache keeps right now (keys, values, codes, scales, window
+  ids, score tables, buffers), against the uncompressed cache of the same tokens.
+- **full / low-bit / evicted tokens** — tokens of one layer in each tier, averaged over layers; the same unit for
+  every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
+- **promotions / demotions** — window moves between the tiers, summed over layers.
+- **ms per token** — decode time per token. All lanes share one batched forward, so this is the time of that
+  shared step, not of each method alone (`bench.speed` times methods alone).
+- **% same as FullKV** — share of positions where the lane produced FullKV's token; the card says where the two
+  texts first differ (the differing part is underlined).
+- **budget** — the bytes a method may keep, as a share of FullKV's bytes for the whole run. On short runs some
+  methods need more than the chosen share just to exist; such a lane runs at the least it can and says so.
+
+**Diagnostics** (Replay tab; against FullKV attention recomputed over the lane's own tokens)
+- **FMM (H = 32)** — Future Missed Mass: of the attention FullKV pays in the next 32 steps to tokens that existed
+  at a routing event, the share that falls on tokens the policy made inaccessible. Lower is better.
+- **FMM without the low-bit tier** — the same, counting low-bit windows as gone: what the recoverable tier saves.
+- **churn** — Selection Churn: Jaccard distance between the historical tokens kept at consecutive routing events
+  (the recent region excluded). Lower means steadier decisions.
+- **QSA** — Quantized-Score Agreement: cosine between the scores the low-bit windows earn under low-bit attention
+  and under FullKV. Near 1 means low bits still rank windows like full precision.
+- **R_Q** — total score of the low-bit windows under low-bit attention over the same under FullKV (below 1: the
+  low-bit copies draw less attention).
+- **μ full / low-bit / evicted** — share of FullKV's cumulative attention held by windows in each tier.
+- **LIR** — Global Lost-Importance Return: of the episodes in which a window stayed out of the full tier for at
+  least 3 routing events, the share that came back later. High means decisions are often revised.
+"""
