@@ -29,7 +29,10 @@ def launch(demo, **kwargs):
     return demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
                        theme=THEME, css=CSS, head=HEAD, ssr_mode=False, share=False, footer_links=["api"],
-                       max_file_size=max_import_bytes(), **kwargs)
+                       max_file_size=max_import_bytes(),
+                       # Runs are kept server side and listed per browser; Gradio's own history would copy every
+                       # streamed figure into the browser's storage.
+                       run_history=False, **kwargs)
 
 
 if __name__ == "__main__":

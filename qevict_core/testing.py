@@ -47,5 +47,7 @@ def tiny_tokenizer():
 
 
 def tiny_chat_model(**overrides):
-    """A tiny random Llama whose vocabulary matches :func:`tiny_tokenizer` (for studio tests)."""
-    return tiny_model("llama", 2, vocab_size=258, num_hidden_layers=3, **overrides)
+    """A tiny random Llama whose vocabulary matches :func:`tiny_tokenizer` (for studio tests); its context holds
+    the studio's examples, which are ~8K bytes = tokens long."""
+    return tiny_model("llama", 2, **{"vocab_size": 258, "num_hidden_layers": 3, "max_position_embeddings": 16384,
+                                     **overrides})

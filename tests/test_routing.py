@@ -23,7 +23,7 @@ class Driver:
                               prefill_window=0)
         self.cache = make_cache("qevict", self.model, config, max_length=400)
         self.cache.plan = dataclasses.replace(self.cache.plan, k_full=k_full, k_quant=k_quant,
-                                              keeps_dormant=promotion)
+                                              keeps_dormant=promotion, uncompressed=False)
         self.module = self.model.model.layers[0].self_attn
         self.layer = self.cache.layers[0]
         torch.manual_seed(0)
@@ -32,6 +32,13 @@ class Driver:
         k, v = self.cache.update(keys, values, 0)
         out, _ = qevict_attention(self.module, query, k, v, None, scaling=self.module.scaling)
         return out
+
+
+def routing_keeps_everything(cache):
+    """A budget that holds everything makes the cache plain FullKV (no routing); these tests want routing and
+    scoring to run with nothing evicted, so they set that plan by hand."""
+    cache.plan = dataclasses.replace(cache.plan, uncompressed=False, k_full=cache.plan.num_windows, k_quant=0)
+    return cache
 
 
 def window_direction(w: int) -> torch.Tensor:
@@ -126,7 +133,7 @@ def test_prefill_scores_equal_eager_attention_column_sums(kv_heads):
     model = tiny_model("llama", kv_heads)
     prompt = random_prompt(4 + 24 * 8)
     config = QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=0)
-    cache = make_cache("qevict", model, config, max_length=200)
+    cache = routing_keeps_everything(make_cache("qevict", model, config, max_length=200))
     with torch.inference_mode():
         model(prompt, cache=cache)
         model.set_attn_implementation("eager")
@@ -143,8 +150,8 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
     """After prefill and two routing events in decode, scores are the column sums over all 212 query rows."""
     model = tiny_model("qwen2", 2)
     full = random_prompt(4 + 26 * 8)
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=0),
-                       max_length=212)
+    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4,
+                                                                              prefill_window=0), max_length=212))
     with torch.inference_mode():
         model(full[:, :196], cache=cache)
         for i in range(196, 212):
@@ -162,8 +169,8 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
 def test_prefill_observation_window_scores_only_the_last_prompt_queries():
     model = tiny_model("llama", 2)
     prompt = random_prompt(4 + 24 * 8)
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=16),
-                       max_length=200)
+    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4,
+                                                                              prefill_window=16), max_length=200))
     with torch.inference_mode():
         model(prompt, cache=cache)
         model.set_attn_implementation("eager")

@@ -1,105 +1,217 @@
-"""The studio in Debian's chromium through Playwright: a two-lane run streams, the tier map and heatmap render,
-the share link replays it step by step, and no request leaves 127.0.0.1."""
+"""The studio in Debian's chromium through Playwright, on the tiny random chat model: every example runs at the
+default settings, a run streams and replays by its share link, a poisoned import is refused while everything
+else keeps working, a second browser sees none of the first's sessions, Stop keeps a queued run from starting and
+a closed tab stops its run. No request leaves 127.0.0.1."""
 
-import shutil
-import socket
+import json
+import re
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.browser import DESKTOP, PHONE, chromium, free_port, need_chromium, open_page, pick_example, set_number, shot
+from ui.examples import EXAMPLES
+
 pytestmark = pytest.mark.browser
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
-OUTPUT = Path(__file__).resolve().parents[1] / "test-output"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def studio_url(tmp_path_factory, monkeypatch_module):
-    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
-        pytest.skip("Debian chromium is not installed (apt-get install -y chromium)")
+def studio(tmp_path_factory):
+    need_chromium()
     import app
     from tests.conftest import tiny_chat_model, tiny_tokenizer
 
     port = free_port()
-    monkeypatch_module.setenv("GRADIO_SERVER_PORT", str(port))
-    db = tmp_path_factory.mktemp("db") / "studio.sqlite"
-    demo = app.create_demo(tiny_chat_model(), tiny_tokenizer(), database_url=f"sqlite:///{db}", model_name="tiny")
-    app.launch(demo, prevent_thread_lock=True)
-    yield f"http://127.0.0.1:{port}"
-    demo.close()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patch:
-        yield patch
+        patch.setenv("GRADIO_SERVER_PORT", str(port))
+        db = f"sqlite:///{tmp_path_factory.mktemp('db') / 'studio.sqlite'}"
+        demo = app.create_demo(tiny_chat_model(), tiny_tokenizer(), database_url=db, model_name="tiny")
+        app.launch(demo, prevent_thread_lock=True)
+        yield {"url": f"http://127.0.0.1:{port}", "database_url": db}
+        demo.close()
 
 
-def test_run_stream_share_and_replay(studio_url):
-    from playwright.sync_api import expect, sync_playwright
-
-    OUTPUT.mkdir(exist_ok=True)
-    outside = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
-
-        def record(req):
-            if not req.url.startswith(("http://127.0.0.1", "data:", "blob:")):
-                outside.append(req.url)
-
-        page.on("request", record)
-        page.goto(studio_url)
-        page.fill("#prompt textarea", "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?")
-        page.locator("#lane2 input").fill("(none)")
-        page.keyboard.press("Enter")
-        page.locator("#max-new input[type=number]").fill("40")
-        page.keyboard.press("Enter")
-        page.click("#generate")
-        # Streaming: some text shows up before the run is done.
-        expect(page.locator("#lanes .qe-lane")).to_have_count(2, timeout=30_000)
-        page.wait_for_function("document.querySelector('#lanes .qe-stats')?.textContent.includes('tokens')")
-        expect(page.locator("#status")).to_contain_text("Done.", timeout=120_000)
-        lanes = page.locator("#lanes .qe-lane")
-        assert lanes.nth(0).get_attribute("data-lane") == "fullkv"
-        assert lanes.nth(1).get_attribute("data-lane") == "qevict"
-        for i in range(2):
-            expect(lanes.nth(i).locator(".qe-stats")).to_contain_text("40 tokens")
-        expect(page.locator("#tier-map .js-plotly-plot")).to_have_count(1)
-        expect(page.locator("#heatmap .js-plotly-plot")).to_have_count(1)
-        expect(page.locator("#tier-map")).to_contain_text("qevict: layer")
-        expect(page.locator("#prompt-tiers")).to_contain_text("quantized")
-        page.screenshot(path=str(OUTPUT / "studio-run.png"), full_page=True)
-
-        link = page.locator("#share a").first.get_attribute("href")
-        assert "/?session=" in link and link.startswith(studio_url)
-        replay = browser.new_page(viewport={"width": 1400, "height": 1400})
-        replay.on("request", record)
-        replay.goto(link)
-        expect(replay.locator("#replay-status")).to_contain_text("step 39 of 39", timeout=30_000)
-        final_text = replay.locator("#replay-lanes .qe-lane").nth(1).locator(".qe-text").inner_text()
-        step_box = replay.locator("#replay-step input[type=number]")
-        step_box.fill("3")
-        step_box.press("Enter")
-        expect(replay.locator("#replay-status")).to_contain_text("step 3 of 39", timeout=30_000)
-        expect(replay.locator("#replay-lanes .qe-stats").nth(0)).to_contain_text("4 tokens")
-        replay.click("#replay-play")
-        expect(replay.locator("#replay-status")).to_contain_text("step 39 of 39", timeout=60_000)
-        time.sleep(0.5)
-        assert replay.locator("#replay-lanes .qe-lane").nth(1).locator(".qe-text").inner_text() == final_text
-        expect(replay.locator("#replay-tier-map .js-plotly-plot")).to_have_count(1)
-        replay.screenshot(path=str(OUTPUT / "studio-replay.png"), full_page=True)
-
-        missing = browser.new_page()
-        missing.goto(f"{studio_url}/?session=not-a-real-session")
-        expect(missing.locator("#replay-status")).to_contain_text("No such session", timeout=30_000)
-        browser.close()
+@pytest.fixture
+def browser(studio):
+    with chromium() as (browser, outside):
+        yield browser
     assert outside == [], f"requests left 127.0.0.1: {outside[:5]}"
+
+
+def wait_text(page, selector: str, text: str, timeout: int = 30_000) -> None:
+    page.wait_for_function(f"document.querySelector({selector!r})?.innerText.includes({text!r})", timeout=timeout)
+
+
+def share_link(page) -> str:
+    page.wait_for_function("document.querySelector('#share a') !== null", timeout=60_000)
+    return page.locator("#share a").first.get_attribute("href")
+
+
+def wait_done(page, timeout=120_000):
+    page.wait_for_function("['Done.', 'Stopped', 'Error', 'Cannot run'].some(w => "
+                           "document.querySelector('#status').innerText.includes(w))", timeout=timeout)
+    return page.locator("#status").inner_text()
+
+
+def sessions_listed(page) -> list[str]:
+    """Session ids (22 url-safe characters) in the Sessions tab's table, top to bottom."""
+    page.click("button[role=tab]:has-text('Sessions')")
+    time.sleep(1)
+    return re.findall(r"(?<![\w-])[\w-]{22}(?![\w-])", page.locator("#sessions-table").inner_text())
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_example_runs_at_the_default_settings(studio, browser, name):
+    page = open_page(browser, studio["url"])
+    pick_example(page, name)
+    page.click("#generate")
+    status = wait_done(page)
+    assert "Done." in status, status
+    cards = page.locator("#lanes .qe-lane")
+    assert cards.count() == 3
+    for i in range(3):
+        assert " tokens" in cards.nth(i).locator(".qe-stats").inner_text()
+    expected = EXAMPLES[name]()[1]
+    if expected:
+        assert page.locator("#expected input, #expected textarea").first.input_value() == expected
+        assert "the expected answer" in cards.nth(2).locator(".qe-verdict").inner_text()
+    if name == "Chat question":  # a short run: the lanes that need more than 20% say so on the lane
+        assert "Runs at" in cards.nth(1).locator(".qe-note").inner_text()
+        assert "the least this method can run with" in cards.nth(2).locator(".qe-note").inner_text()
+        shot(page, "studio-chat-1280")
+        page.set_viewport_size(PHONE)
+        time.sleep(0.5)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= PHONE["width"] + 1, f"the page scrolls sideways on a phone ({width} px)"
+        table = page.locator("#stats")
+        assert table.locator("thead th").count() == 4  # measure + 3 lanes fit a phone
+        shot(page, "studio-chat-390")
+
+
+def test_run_stream_share_and_replay(studio, browser):
+    page = open_page(browser, studio["url"], {"width": 1400, "height": 1600})
+    page.fill("#prompt textarea", "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?")
+    page.locator("#lane2 input").fill("(none)")
+    page.keyboard.press("Enter")
+    set_number(page, "max-new", 40)
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#lanes .qe-stats')?.textContent.includes('tokens')",
+                           timeout=30_000)  # streaming: text before the run is done
+    assert "Done." in wait_done(page)
+    lanes = page.locator("#lanes .qe-lane")
+    assert [lanes.nth(i).get_attribute("data-lane") for i in range(2)] == ["fullkv", "qevict"]
+    for i in range(2):
+        assert "40 tokens" in lanes.nth(i).locator(".qe-stats").inner_text()
+    assert page.locator("#tier-map .js-plotly-plot").count() == 1
+    assert page.locator("#heatmap .js-plotly-plot").count() == 1
+    assert page.locator("#bytes .js-plotly-plot").count() == 1
+    assert "qevict: layer" in page.locator("#tier-map").inner_text()
+    assert "low-bit" in page.locator("#prompt-tiers").inner_text()
+    assert "latest routing moves" in page.locator("#moves").inner_text()
+    shot(page, "studio-run")
+
+    link = share_link(page)
+    assert "/?session=" in link and link.startswith(studio["url"])
+    replay = open_page(browser, link, {"width": 1400, "height": 1400}, context=browser.new_context())
+    wait_text(replay, '#replay-status', 'step 39 of 39', 30_000)
+    final_text = replay.locator("#replay-lanes .qe-lane").nth(1).locator(".qe-text").inner_text()
+    set_number(replay, "replay-step", 3)
+    wait_text(replay, '#replay-status', 'step 3 of 39', 30_000)
+    assert "4 tokens" in replay.locator("#replay-lanes .qe-stats").nth(0).inner_text()
+    replay.click("#replay-play")
+    wait_text(replay, '#replay-status', 'step 39 of 39', 60_000)
+    time.sleep(0.5)
+    assert replay.locator("#replay-lanes .qe-lane").nth(1).locator(".qe-text").inner_text() == final_text
+    shot(replay, "studio-replay")
+    missing = open_page(browser, f"{studio['url']}/?session=not-a-real-session")
+    wait_text(missing, '#replay-status', 'No such session', 30_000)
+
+
+POISON = {"format": "qevict-session/1", "session": {"prompt": "x", "request": {
+    "lanes": [{"name": 5, "method": "fullkv"}], "config": {"sinks": 5, "omega": 8}}}, "events": []}
+
+
+def test_a_poisoned_import_is_refused_and_breaks_nothing(studio, browser, tmp_path):
+    first = browser.new_context()
+    page = open_page(browser, studio["url"], context=first)
+    page.fill("#prompt textarea", "Tell me about lanterns. " * 20)
+    set_number(page, "max-new", 8)
+    page.click("#generate")
+    link = share_link(page)
+    assert "Done." in wait_done(page)
+    good_id = link.split("session=")[1]
+
+    poison = tmp_path / "poison.json"
+    poison.write_text(json.dumps(POISON))
+    assert sessions_listed(page) == [good_id]
+    page.set_input_files("#import-file input[type=file]", str(poison))
+    wait_text(page, '#manage-status', 'Import refused', 30_000)
+    assert "session.request.lanes.0.name" in page.locator("#manage-status").inner_text()
+
+    # The page, the list and share links all keep working, for this visitor and a new one.
+    page.reload()
+    assert sessions_listed(page) == [good_id]
+    assert "Error" not in page.locator("#sessions-table").inner_text()
+    other = open_page(browser, link, context=browser.new_context())
+    wait_text(other, '#replay-status', 'step 7 of 7', 30_000)
+
+    # A valid export comes back as a new, imported session in this browser's list.
+    from storage import SessionStore, make_engine
+
+    exported = tmp_path / "good.json"
+    exported.write_text(json.dumps(SessionStore(make_engine(studio["database_url"])).export(good_id)))
+    page.set_input_files("#import-file input[type=file]", str(exported))
+    wait_text(page, '#manage-status', 'Imported as', 30_000)
+    listed = sessions_listed(page)
+    assert len(listed) == 2 and listed[1] == good_id
+    table = page.locator("#sessions-table").inner_text()
+    assert table.index("imported") < table.index(good_id)  # the newest row is the import
+
+
+def test_a_second_browser_sees_none_of_the_first_browsers_sessions(studio, browser):
+    first = open_page(browser, studio["url"], context=browser.new_context())
+    first.fill("#prompt textarea", "A private question about owls. " * 10)
+    set_number(first, "max-new", 6)
+    first.click("#generate")
+    session_id = share_link(first).split("session=")[1]
+    wait_done(first)
+    assert session_id in sessions_listed(first)
+
+    second = open_page(browser, studio["url"], context=browser.new_context())
+    assert sessions_listed(second) == []
+    assert session_id not in second.content() and "owls" not in second.content()
+
+    # Deleting from the browser that made it needs no token.
+    first.fill("#manage-id textarea, #manage-id input", session_id)
+    first.click("#delete-session")
+    wait_text(first, '#manage-status', 'Deleted.', 30_000)
+    assert session_id not in sessions_listed(first)
+
+
+def test_stop_keeps_a_queued_run_from_starting_and_a_closed_tab_stops_its_run(studio, browser):
+    from storage import SessionStore, make_engine
+
+    store = SessionStore(make_engine(studio["database_url"]))
+    busy = open_page(browser, studio["url"], context=browser.new_context())
+    pick_example(busy, "Needle in ~2K tokens of Austen (retrieval)")
+    set_number(busy, "max-new", 512)
+    busy.click("#generate")
+    busy_id = share_link(busy).split("session=")[1]
+
+    queued = open_page(browser, studio["url"], context=browser.new_context())
+    queued.fill("#prompt textarea", "I wait in the queue.")
+    queued.click("#generate")
+    wait_text(queued, '#status', 'Waiting for a free slot')
+    queued.wait_for_function("/queue: \\d+\\/\\d+/.test(document.querySelector('#status').innerText)")
+    queued.click("#stop")
+    wait_text(queued, '#status', 'will not start')
+
+    busy.close()  # the tab goes away mid-run: its run stops and is marked so
+    deadline = time.time() + 60
+    while store.get(busy_id)["status"] == "running" and time.time() < deadline:
+        time.sleep(0.5)
+    assert store.get(busy_id)["status"] == "stopped"
+    assert len(store.events(busy_id)) > 0
+    status = wait_done(queued, timeout=60_000)
+    assert "before it started: nothing was run" in status
+    assert sessions_listed(queued) == []

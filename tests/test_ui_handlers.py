@@ -55,8 +55,8 @@ def test_failures_before_the_run_save_nothing(studio):
             return conn.scalar(select(func.count()).select_from(SessionRow))
 
     before = stored()
-    with pytest.raises(ValueError, match="beyond the model's context of 4096"):
-        next(studio.run(request("word " * 5000, ("qevict",))))
+    with pytest.raises(ValueError, match="beyond the model's context of 16384"):
+        next(studio.run(request("word " * 4000, ("qevict",))))
     assert stored() == before
 
 
@@ -64,9 +64,9 @@ def test_failures_before_the_run_save_nothing(studio):
 def test_every_example_runs_every_default_lane(studio, name):
     """No default path ends in "Cannot run": a lane that cannot exist at the chosen budget on a short sequence runs
     at the least it can, and its note says so in words."""
-    prompt, _ = EXAMPLES[name]()
-    prompt = prompt[:3000]  # the tiny byte-level model has 3 layers and one byte per token
-    req = parse_request(prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 2, 5, 32, "cumulative", True, 64)
+    prompt, expected = EXAMPLES[name]()
+    req = parse_request(prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 2, 5, 32, "cumulative", True, 64,
+                        0.0, 0, expected)
     final = list(studio.run(req))[-1]
     assert final.status == "done"
     for lane in final.view.lanes.values():
@@ -159,12 +159,21 @@ def test_stop_before_a_queued_run_starts_keeps_it_from_starting():
     tabs.arm("tab")
     assert tabs.stop("tab") == "queued"
     assert tabs.start("tab") is None
+    assert tabs.stop("tab") is None  # nothing left to stop
     tabs.arm("tab")
     flag = tabs.start("tab")
     assert flag is not None and not flag.is_set()
+    tabs.arm("tab")  # Generate again while running: queued behind it
+    assert tabs.stop("tab") == "running" and flag.is_set()
+    tabs.finish("tab")
+    assert tabs.start("tab") is None  # Stop ended the queued one too
+    tabs.arm("tab")
+    flag = tabs.start("tab")
+    assert not flag.is_set()
     tabs.forget("tab")  # the tab closed while running
     assert flag.is_set()
     assert tabs.stop("other") is None
+    assert not tabs.start("api").is_set()  # an API call is never armed: it gets its own fresh flag
 
 
 def test_a_malformed_stored_row_is_a_message_on_its_own_page(studio):

@@ -136,9 +136,8 @@ def moves_html(view: RunView, lane: str | None, layer: int, limit: int = 12) -> 
             f'<ul>{"".join(lines[:limit])}</ul></div>')
 
 
-MEASURES = ["tokens generated", "KV MiB now", "% of FullKV's bytes", "full-precision tokens per layer",
-            "low-bit tokens per layer", "evicted tokens per layer", "promotions (windows)", "demotions (windows)",
-            "ms per token (shared forward)", "% of tokens same as FullKV"]
+MEASURES = ["tokens", "KV MiB", "% of FullKV", "full-precision tokens", "low-bit tokens", "evicted tokens",
+            "promotions", "demotions", "ms per token", "% same as FullKV"]
 
 
 def stats_table(view: RunView) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -56,7 +57,8 @@ class Studio:
     model_name: str = "SmolLM2-135M-Instruct"
     choices: dict = field(default_factory=lambda: {"methods": sorted(METHODS), "bits": BITS, "scorers": SCORERS})
     prefill_rate: float | None = None  # prompt tokens x lanes per second, measured on the last run
-    _loaded: dict = field(default_factory=dict, repr=False)
+    _loaded: dict = field(default_factory=dict, repr=False)  # id -> ((updated_at, status), meta, events)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -167,8 +169,10 @@ class Studio:
         meta = self.store.get(session_id or "")
         if meta is None:
             raise LookupError(f"No such session: `{(session_id or '')[:64]}`")
-        cached = self._loaded.get(session_id)
-        if cached is not None and cached[0] == (meta["updated_at"], meta["status"]):
+        version = (meta["updated_at"], meta["status"])
+        with self._lock:
+            cached = self._loaded.get(session_id)
+        if cached is not None and cached[0] == version:
             return cached[1], cached[2]
         events = self.store.events(session_id)
         try:
@@ -177,9 +181,10 @@ class Studio:
             raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
         meta = {**meta, "request": request.model_dump(mode="json")}
         events = [event.model_dump(mode="json") for event in parsed]
-        self._loaded[session_id] = ((meta["updated_at"], meta["status"]), meta, events)
-        while len(self._loaded) > 8:
-            self._loaded.pop(next(iter(self._loaded)))
+        with self._lock:
+            self._loaded[session_id] = (version, meta, events)
+            while len(self._loaded) > 8:
+                self._loaded.pop(next(iter(self._loaded)))
         return meta, events
 
     def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:

@@ -44,7 +44,7 @@ CSS = """
                  max-height:320px; overflow:auto; overflow-wrap:anywhere}
 .qe-key {padding:0 4px; margin-right:2px; white-space:nowrap}
 .qe-moves ul {margin:4px 0 0 18px; font-size:13px}
-#status {min-height:3.2em}
+#status {min-height:4em}
 #qe-notice {position:fixed; bottom:16px; left:50%; transform:translateX(-50%); z-index:1000; max-width:90vw;
             background:#111827; color:#fff; padding:8px 12px; border-radius:8px; font-size:14px; display:none}
 """
@@ -109,7 +109,8 @@ def view_panel(prefix: str, layers: int) -> tuple:
     """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, layer picker, routing views."""
     lanes = gr.HTML(elem_id=f"{prefix}lanes")
     stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
-                         max_height=420, label="Lanes side by side")
+                         max_height=440, column_widths=["34%"],
+                         label="Lanes side by side (tokens per layer, moves in windows; see the glossary)")
     memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
     layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer shown below (0–{layers - 1})",
                       elem_id=f"{prefix}layer")
@@ -192,7 +193,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
                 diagnostics_out = gr.Markdown(elem_id="replay-diagnostics")
                 with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
                     gr.Markdown(GLOSSARY)
-            with gr.Tab("Sessions", id="sessions"):
+            with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 gr.Markdown("Runs made or imported **in this browser** (kept in its local storage, with their "
                             "delete tokens). Nobody else sees this list; a share link opens one run.")
                 sessions_table = gr.Dataframe(headers=sessions.SESSION_HEADERS, interactive=False,
@@ -325,6 +326,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
             return sessions.rows(studio.store, owned_state)
 
         owned.change(list_sessions, owned, sessions_table, api_visibility="private")
+        sessions_tab.select(list_sessions, owned, sessions_table, api_visibility="private")
         def pick_row(evt: gr.SelectData):
             return evt.row_value[0] if evt.row_value else gr.skip()
 
