@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.browser import DESKTOP, PHONE, chromium, free_port, need_chromium, open_page, pick_example, set_number, shot
+from tests.browser import PHONE, chromium, free_port, need_chromium, open_page, pick_example, set_number, shot
 from ui.examples import EXAMPLES
 
 pytestmark = pytest.mark.browser

@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
+from sqlalchemy import update as sql_update
 
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
@@ -85,6 +86,14 @@ def test_a_short_prompt_raises_only_the_lanes_that_need_it(studio):
     assert "budget_bytes" not in by_name["kivi2"]  # KIVI has no budget to raise
     assert by_name["snapkv"]["budget_bytes"] > 0.2 * lanes[0].cache.shape.fullkv_bytes(input_ids.shape[1] + 16)
     assert "keeps at least 33 tokens per head" in by_name["snapkv"]["note"]
+
+
+def test_at_a_budget_that_holds_everything_qevict_is_fullkv(studio):
+    final = list(studio.run(request("Why is the sky blue?", ("fullkv", "qevict"), budget=1.0, max_new=20)))[-1]
+    fullkv, qevict = final.view.lanes.values()
+    assert qevict.tokens == fullkv.tokens and qevict.total_bytes <= fullkv.total_bytes
+    assert qevict.tiers["quantized"] == qevict.tiers["evicted"] == 0 and not final.view.routed_lanes()
+    assert "this lane is FullKV" in qevict.note and "✓ same tokens as FullKV" in cards.lanes_html(final.view)
 
 
 def test_run_streams_persists_and_replays_identically(studio):
@@ -180,9 +189,9 @@ def test_a_malformed_stored_row_is_a_message_on_its_own_page(studio):
     good = list(studio.run(request(max_new=4)))[-1].session_id
     bad = list(studio.run(request(max_new=4)))[-1].session_id
     with studio.store.engine.begin() as conn:
-        conn.execute(update(SessionRow).where(SessionRow.id == bad).values(
+        conn.execute(sql_update(SessionRow).where(SessionRow.id == bad).values(
             request={"lanes": [{"name": 5, "method": "fullkv"}], "config": {"sinks": 5, "omega": 8}}))
-        conn.execute(update(EventRow).where(EventRow.session_id == good, EventRow.seq == 0).values(
+        conn.execute(sql_update(EventRow).where(EventRow.session_id == good, EventRow.seq == 0).values(
             payload={"kind": "token", "lane": "fullkv", "step": "abc"}))
     for session_id in (good, bad):
         with pytest.raises(ValueError, match="stored in a form this studio cannot show"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -44,7 +43,6 @@ class Update:
     routing_changed: bool
     status: str  # running, done, stopped, error
     message: str = ""
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -105,6 +103,9 @@ class Studio:
                                 f"{req.config.budget:.1%}: "
                                 f"this run holds only {total} tokens, and {err.reason}. That is the least this "
                                 f"method can run with here; the other lanes use the budget you chose.")
+            if cache.summary().get("uncompressed"):
+                spec["note"] = ("The budget holds this whole run uncompressed, so this lane is FullKV: nothing is "
+                                "routed, quantized or evicted.")
             lanes.append(Lane(name, cache))
             specs.append(spec)
         request = {
@@ -126,9 +127,8 @@ class Studio:
         input_ids, lanes, request = self.prepare(req)
         session_id, token = self.store.create(req.prompt, request)
         view, pending, status, message = RunView(request), [], "running", ""
-        started = time.perf_counter()
         try:
-            yield Update(view, session_id, token, True, status, started=started)
+            yield Update(view, session_id, token, True, status)
             routing_changed = False
             for event in generate_lanes(self.model, self.tokenizer, input_ids, lanes, req.sampling, should_stop):
                 data = event.to_dict()
@@ -140,7 +140,7 @@ class Studio:
                     if all(lane.done or len(lane.tokens) > data["step"] for lane in lanes):
                         if data["step"] == 0:
                             self._measure_prefill(input_ids.shape[1] * len(lanes), lanes[0].prefill_seconds)
-                        yield Update(view, session_id, token, routing_changed, status, started=started)
+                        yield Update(view, session_id, token, routing_changed, status)
                         routing_changed = False
             errors = [lane.done for lane in view.lanes.values() if (lane.done or "").startswith("error")]
             status = "error" if errors else "stopped" if should_stop() else "done"
@@ -153,7 +153,7 @@ class Studio:
                 self.store.append(session_id, pending)
             finally:
                 self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
-        yield Update(view, session_id, token, True, status, message, started=started)
+        yield Update(view, session_id, token, True, status, message)
 
     def _measure_prefill(self, tokens: int, seconds: float) -> None:
         if seconds > 0:
