@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 from datetime import datetime
 from typing import Any, Iterable
 
 from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import case, delete, func, insert, select, update
+from sqlalchemy import Text, case, delete, func, insert, select, type_coerce, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
@@ -103,13 +104,18 @@ class SessionStore:
             return list(db.scalars(query.order_by(EventRow.seq)))
 
     def owned(self, session_ids: Iterable[str]) -> list[dict[str, Any]]:
-        """The named sessions that exist, newest first (a visitor's list, from the ids their browser keeps)."""
+        """The named sessions that exist, newest first (a visitor's list, from the ids their browser keeps): id,
+        created_at, status, title and request, which is None when its stored JSON cannot be read. Requests are
+        decoded row by row, so one unreadable row cannot hide the others."""
         ids = [i for i in dict.fromkeys(session_ids) if isinstance(i, str)][:MAX_OWNED]
         if not ids:
             return []
+        query = (select(SessionRow.id, SessionRow.created_at, SessionRow.status, SessionRow.title,
+                        type_coerce(SessionRow.request, Text))
+                 .where(SessionRow.id.in_(ids)).order_by(SessionRow.created_at.desc()))
         with self._sessions() as db:
-            rows = db.scalars(select(SessionRow).where(SessionRow.id.in_(ids)).order_by(SessionRow.created_at.desc()))
-            return [_meta(row) for row in rows]
+            return [{"id": sid, "created_at": _iso(created), "status": status, "title": title,
+                     "request": _decoded(request)} for sid, created, status, title, request in db.execute(query)]
 
     # -- exchange -------------------------------------------------------------------------------------------
     def export(self, session_id: str) -> dict[str, Any]:
@@ -152,6 +158,15 @@ def _check_request(request: dict[str, Any]) -> None:
         RequestSpec.model_validate(request)
     except ValidationError as err:
         raise ValueError(f"refusing to store a malformed request: {describe(err)}") from None
+
+
+def _decoded(raw: Any) -> Any:
+    if not isinstance(raw, str):  # drivers that decode JSON themselves (psycopg) hand over the value
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _revive(status):

@@ -62,6 +62,18 @@ def test_only_named_sessions_are_listed(store):
     assert not hasattr(store, "list")  # nothing enumerates every session
 
 
+def test_an_unreadable_row_does_not_hide_the_others(tmp_path):
+    store = SessionStore(make_engine(f"sqlite:///{tmp_path}/hand-edited.sqlite"))
+    good, _ = store.create("good", REQUEST)
+    bad, _ = store.create("bad", REQUEST)
+    with store.engine.begin() as conn:  # edited by hand, or by an older version
+        conn.execute(text("UPDATE sessions SET request = '{not json' WHERE id = :id"), {"id": bad})
+    listed = {s["id"]: s for s in store.owned([good, bad])}
+    assert listed[good]["request"] == REQUEST and listed[bad]["request"] is None
+    with pytest.raises(ValueError):
+        store.get(bad)
+
+
 def test_delete_needs_the_creators_token(store):
     sid, token = store.create("p", REQUEST)
     store.append(sid, EVENTS)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy import update as sql_update
 
 from storage import SessionStore, make_engine
@@ -193,14 +193,19 @@ def test_a_malformed_stored_row_is_a_message_on_its_own_page(studio):
             request={"lanes": [{"name": 5, "method": "fullkv"}], "config": {"sinks": 5, "omega": 8}}))
         conn.execute(sql_update(EventRow).where(EventRow.session_id == good, EventRow.seq == 0).values(
             payload={"kind": "token", "lane": "fullkv", "step": "abc"}))
-    for session_id in (good, bad):
+    garbled = list(studio.run(request(max_new=4)))[-1].session_id
+    with studio.store.engine.begin() as conn:
+        conn.execute(text("UPDATE sessions SET request = '{not json' WHERE id = :id"), {"id": garbled})
+    for session_id in (good, bad, garbled):
         with pytest.raises(ValueError, match="stored in a form this studio cannot show"):
             studio.replay(session_id)
     assert "cannot show" in diagnose_session(studio, bad)
     other = list(studio.run(request(max_new=4)))[-1].session_id
     assert studio.replay(other)[1] == 3  # the others still open
-    owned = [{"id": i, "token": "t"} for i in (good, bad, other)]
-    assert [row[0] for row in sessions.rows(studio.store, owned)] == [other, bad, good]
+    owned = [{"id": i, "token": "t"} for i in (good, bad, garbled, other)]
+    listed = sessions.rows(studio.store, owned)
+    assert [row[0] for row in listed] == [other, garbled, bad, good]
+    assert listed[1][3] == "(unreadable)"
 
 
 def test_the_browser_list_drops_what_is_not_a_session_reference():

@@ -166,7 +166,10 @@ class Studio:
         """A stored session, checked against the schema -> (meta, events); LookupError when missing, ValueError
         when malformed, so one bad row is a message on its own page and nothing else. The replay slider reloads
         at every step: sessions are kept validated until they change."""
-        meta = self.store.get(session_id or "")
+        try:
+            meta = self.store.get(session_id or "")
+        except ValueError as err:  # its JSON could not even be decoded
+            raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
         if meta is None:
             raise LookupError(f"No such session: `{(session_id or '')[:64]}`")
         version = (meta["updated_at"], meta["status"])
@@ -174,8 +177,8 @@ class Studio:
             cached = self._loaded.get(session_id)
         if cached is not None and cached[0] == version:
             return cached[1], cached[2]
-        events = self.store.events(session_id)
         try:
+            events = self.store.events(session_id)
             request, parsed = parse_stored(meta["prompt"], meta["request"], events)
         except ValueError as err:
             raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
