@@ -156,7 +156,8 @@ class Studio:
         yield Update(view, session_id, token, True, status, message)
 
     def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
+        # A short prompt's time is mostly fixed overhead: scaled up, it would predict minutes for seconds of work.
+        if seconds > 0 and tokens >= 1024:
             self.prefill_rate = tokens / seconds
 
     def prefill_estimate(self, tokens: int, lanes: int) -> float | None:
