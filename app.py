@@ -13,7 +13,8 @@ from qevict_core import load_model  # noqa: E402
 from storage import SessionStore, make_engine  # noqa: E402
 from storage.schema import max_import_bytes  # noqa: E402
 from ui.handlers import Studio  # noqa: E402
-from ui.layout import CSS, HEAD, THEME, build_demo  # noqa: E402
+from ui.layout import build_demo  # noqa: E402
+from ui.theme import CSS, HEAD, THEME  # noqa: E402
 
 
 def create_demo(model=None, tokenizer=None, database_url: str | None = None, model_name: str | None = None):

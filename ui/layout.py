@@ -29,50 +29,6 @@ Run one prompt through up to three KV caches side by side at the **same byte bud
 (FullKV), a baseline and QEvict, which keeps the most-attended windows of past tokens in full precision, a broad
 middle in 2 bits that can be promoted back, and evicts the rest. Pick an example and press **Generate**. Every run
 is saved; its share link replays it step by step."""
-THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
-                          font_mono=["ui-monospace", "SFMono-Regular", "monospace"])
-CSS = """
-.qe-lanes {display:flex; gap:10px; flex-wrap:wrap}
-.qe-lane {flex:1; min-width:240px; border:1px solid #d1d5db; border-radius:8px; padding:8px}
-.qe-verdict {font-size:12px; padding:1px 6px; border-radius:6px}
-.qe-good {background:#dcfce7; color:#14532d} .qe-bad {background:#fee2e2; color:#7f1d1d}
-.qe-note {font-size:12px; background:#fef3c7; border-radius:6px; padding:4px 6px; margin-top:4px}
-.qe-stats, .qe-caption {font-size:12px; color:#4b5563}
-.qe-text {white-space:pre-wrap; overflow-wrap:anywhere; margin-top:6px}
-.qe-diverged {text-decoration:underline wavy #ef4444}
-.qe-prompt-text {white-space:pre-wrap; font-family:ui-monospace,monospace; font-size:12px; line-height:1.6;
-                 max-height:320px; overflow:auto; overflow-wrap:anywhere}
-.qe-key {padding:0 4px; margin-right:2px; white-space:nowrap}
-.qe-moves ul {margin:4px 0 0 18px; font-size:13px}
-#status {min-height:4em}
-#qe-notice {position:fixed; bottom:16px; left:50%; transform:translateX(-50%); z-index:1000; max-width:90vw;
-            background:#111827; color:#fff; padding:8px 12px; border-radius:8px; font-size:14px; display:none}
-"""
-# Gradio's number boxes clamp a typed value to the control's range when they lose focus, silently. This reads the
-# typed value first (capture phase) and says what happened when the box then shows something else.
-HEAD = """<script>
-document.addEventListener("blur", (event) => {
-  const box = event.target;
-  if (!(box instanceof HTMLInputElement) || box.type !== "number" || box.value === "") return;
-  const typed = box.value;
-  setTimeout(() => {
-    if (box.value === typed) return;
-    const label = (box.getAttribute("aria-label") || "value").replace(/^number input for /, "");
-    let note = document.getElementById("qe-notice");
-    if (!note) {
-      note = document.createElement("div");
-      note.id = "qe-notice";
-      note.setAttribute("role", "status");
-      document.body.appendChild(note);
-    }
-    const range = `${box.min || "…"}–${box.max || "…"}`;
-    note.textContent = `${label}: ${typed} is outside ${range}, so it was set to ${box.value}.`;
-    note.style.display = "block";
-    clearTimeout(note.hideTimer);
-    note.hideTimer = setTimeout(() => { note.style.display = "none"; }, 6000);
-  }, 50);
-}, true);
-</script>"""
 NO_RUN = plots.empty_figure("No run yet.")
 CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
