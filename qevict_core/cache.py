@@ -28,6 +28,7 @@ from .rope import Rope
 from .scorers import make_scorer
 from .scoring import key_attention_mass, window_mass
 from . import fast_path
+from .assemble import assemble
 from .attention import sdpa_with_positions, use_qevict_attention
 from .routing import route_windows
 
@@ -78,9 +79,10 @@ class QEvictLayer(ReportingLayer):
         keys = [self.sink_k, self.full_k, self.recent_k]
         values = [self.sink_v, self.full_v, self.recent_v]
         if self.quant.num_windows and not self.owner.kernels:
-            q_keys, q_values = self._dequantized()
-            keys.insert(0, q_keys)
-            values.insert(0, q_values)
+            cos, sin = self.owner.rope_rows(self.sink_k, window_positions(self.quant.ids, *self._grid))
+            keys, values = assemble(self.quant, keys, values, cos, sin)
+            self.owner.note_workspace(keys.nbytes + values.nbytes)
+            return keys, values
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +95,12 @@ class QEvictLayer(ReportingLayer):
         return self.owner.config.sinks, self.owner.config.omega
 
     def attend(self, module, query, key, value, scaling, dropout):
+        out = self._attend(module, query, key, value, scaling, dropout)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        return out
+
+    def _attend(self, module, query, key, value, scaling, dropout):
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
             return sdpa_with_positions(module, query, key, value, scaling, dropout)
         fast = self.owner.kernels and self.owner.step > 0  # the prompt has no quantized tier yet: SDPA
@@ -274,11 +282,31 @@ class QEvictCache(ReportingCache):
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
         self._moves: torch.Tensor | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         layers = [QEvictLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
 
     def begin_forward(self, num_tokens: int) -> None:
         self.schedule.begin_forward(num_tokens)
+        self._rope_table = None
+
+    def end_forward(self) -> None:
+        self._rope_table = None  # transient: nothing of it persists to the next step
+
+    def rope_rows(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, N, D) for absolute ``positions`` (B, N), gathered from a table of every position seen
+        so far that the first layer to need it builds and every other layer of this forward reuses (30 layers
+        used to compute cos/sin of their own quantized positions each step)."""
+        if self._rope_table is None:
+            self._rope_table = self.rope.table(like, self.schedule.seen)
+        cos, sin = self._rope_table
+        b, n = positions.shape
+        flat = positions.reshape(-1)
+        return (cos.index_select(0, flat).view(b, 1, n, -1), sin.index_select(0, flat).view(b, 1, n, -1))
+
+    def note_workspace(self, nbytes: int) -> None:
+        table = sum(t.nbytes for t in self._rope_table) if self._rope_table is not None else 0
+        super().note_workspace(nbytes + table)
 
     def count_moves(self, decision, n_quant: int, n_full: int) -> None:
         """Promotions (Q->F), demotions (F->Q) and evictions, summed over layers and batch rows."""

