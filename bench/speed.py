@@ -7,7 +7,8 @@ measured in the same process.
 
 Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
 are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
-(t_end - t_start). Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
+(t_end - t_start); routing overhead = (median routing step - median plain step) / Ω, as a share of the plain step.
+The warm-up runs the method it times, on a prompt of at most 1024 tokens. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
 its level after loading the model and warming up, sampled every 2 ms. KV bytes are the cache's measured bytes
 (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
@@ -27,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from qevict_core import QEvictConfig, make_cache
+from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
 
 from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup
 
@@ -91,6 +92,7 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    steps: list[tuple[float, bool]] = []  # (seconds, routed) per decode step
     with PeakRSS() as rss, torch.inference_mode():
         sync(device)
         start = time.perf_counter()
@@ -98,14 +100,30 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
         sync(device)
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
+            began = time.perf_counter()
             token = model(token, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        sync(device)
+            sync(device)
+            steps.append((time.perf_counter() - began, cache.routed()))
         end = time.perf_counter()
     report = cache.memory_report()
     return {"ttft": first - start, "tpot": (end - first) / max(1, new_tokens - 1),
             "throughput": prompt.shape[0] * new_tokens / (end - start),
             "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak,
-            "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"]}
+            "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"],
+            **routing_overhead(steps)}
+
+
+def routing_overhead(steps: list[tuple[float, bool]]) -> dict:
+    """Extra time of a decode step that routes over the median step that does not, spread over the steps
+    between two routing events, as a share of the median plain step (issue 10's target: <= 10%)."""
+    plain = [s for s, routed in steps if not routed]
+    routing = [s for s, routed in steps if routed]
+    if not plain or not routing:
+        return {}
+    base = statistics.median(plain)
+    extra = statistics.median(routing) - base
+    interval = len(steps) / len(routing)
+    return {"plain_step": base, "routing_extra": extra, "routing_share": extra / interval / base}
 
 
 def measure(args, model, tokenizer, device, method: str, budget: float | None, context: int) -> dict:
@@ -124,7 +142,10 @@ def _isolated_run(model_name, threads, method, budget, context, batch, new_token
 
 def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens) -> dict:
     prompt = prompt_ids(tokenizer, model, context, batch, next(model.parameters()).device)
-    one_run(model, "fullkv", None, prompt[:, :min(context, 256)], 4)  # warm-up
+    try:  # warm up the method itself (its code paths, allocator, caches of the model) on a shorter prompt
+        one_run(model, method, budget, prompt[:, :min(context, 1024)], 16)
+    except BudgetTooSmall:
+        one_run(model, method, None, prompt[:, :min(context, 1024)], 16)
     return one_run(model, method, budget, prompt, new_tokens)
 
 
@@ -190,12 +211,14 @@ def speed_table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']} on {meta['gpu'] or meta['cpu']} ({meta['device']}, {meta['threads']} threads), "
              f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process.", "",
              "| context | method | TTFT s | TPOT ms | tok/s | peak mem MiB | KV MiB | TTFT × | TPOT × | tok/s × | "
-             "peak × |", "|" + "---|" * 11]
+             "peak × | routing overhead |", "|" + "---|" * 12]
     for r in rows:
+        overhead = (f"{100 * r['routing_share']:.1f}% ({1000 * r['routing_extra']:.0f} ms per event)"
+                    if "routing_share" in r else "—")
         lines.append(f"| {r['context']} | {r['method']} | {r['ttft']:.3f} | {1000 * r['tpot']:.1f} | "
                      f"{r['throughput']:.2f} | {r['peak_memory'] / 2**20:.1f} | {r['kv_bytes'] / 2**20:.2f} | "
                      + " | ".join(f"{r.get(k + '_vs_fullkv', float('nan')):.2f}"
-                                  for k in ("ttft", "tpot", "throughput", "peak_memory")) + " |")
+                                  for k in ("ttft", "tpot", "throughput", "peak_memory")) + f" | {overhead} |")
     return "\n".join(lines) + "\n"
 
 

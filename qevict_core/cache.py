@@ -290,6 +290,9 @@ class QEvictCache(ReportingCache):
         self.schedule.begin_forward(num_tokens)
         self._rope_table = None
 
+    def routed(self) -> bool:
+        return self.schedule.routing_now and not self.plan.uncompressed
+
     def end_forward(self) -> None:
         self._rope_table = None  # transient: nothing of it persists to the next step
 

@@ -92,6 +92,8 @@ class ReportingCache(Cache):
         self.events: list = []
         self.step = -1
         self.peak_bytes = 0
+        self.own_seconds = 0.0  # time spent in this cache's own work inside shared forwards (shared_prefill)
+        self.device_type = next(model.parameters()).device.type
         self._layer_bytes = [0] * len(layers)
         self._attention_modules = _attention_modules(model, len(layers))
 
@@ -141,6 +143,10 @@ class ReportingCache(Cache):
 
     def tier_counts(self) -> list[dict[str, int]]:
         return [layer.tier_counts() for layer in self.layers]
+
+    def routed(self) -> bool:
+        """Whether the last forward moved tokens between tiers (caches that route on a schedule override this)."""
+        return False
 
     def drain_events(self) -> list:
         events, self.events = self.events, []

@@ -16,7 +16,8 @@ class TokenEvent:
     step: int
     token_id: int
     text: str
-    seconds: float = 0.0  # wall time of the forward that produced this token
+    seconds: float = 0.0  # wall time of the forward that produced this token (shared by the lanes in it)
+    alone_seconds: float | None = None  # this lane's estimated time alone (generate.lane_seconds); None: untimed
     kind: str = "token"
 
     def to_dict(self) -> dict:

@@ -96,20 +96,23 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
         for group in [active] if together else [[lane] for lane in active]:
             feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]] for lane in group], device=device)
             try:
+                owns = [lane.cache.own_seconds for lane in group]
                 started = time.perf_counter()
                 logits = forward_lanes(model, feed, [lane.cache for lane in group])
                 seconds = time.perf_counter() - started
+                owns = [lane.cache.own_seconds - before for lane, before in zip(group, owns)]
             except Exception as err:  # end the lanes of this forward, keep what they generated
                 for lane in group:
                     lane.done = f"error: {err}"
                 continue
-            for lane, row in zip(group, logits):
+            alone = lane_seconds(seconds, owns, group[0].cache.device_type == "cpu")
+            for lane, row, own in zip(group, logits, alone):
                 token = next_token(row, sampling, lane.generator)
                 if step == 0:
                     lane.prefill_seconds = seconds
                 else:
                     lane.decode_seconds += seconds
-                yield from _lane_events(lane, step, token, seconds, tokenizer)
+                yield from _lane_events(lane, step, token, seconds, own, tokenizer)
                 if token in stop_ids:
                     lane.done = "eos"
                 elif step + 1 == sampling.max_new_tokens:
@@ -122,14 +125,26 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                         decode_seconds=lane.decode_seconds, summary=lane.cache.summary())
 
 
-def _lane_events(lane: Lane, step: int, token: int, seconds: float, tokenizer) -> Iterator:
+def lane_seconds(seconds: float, owns: list[float], timed: bool) -> list[float | None]:
+    """Each lane's time had it run alone: the shared part of the forward (everything but the lanes' own cache
+    and attention work, the same for one row as for several on a CPU, where decoding is bound by reading the
+    weights) plus its own part. None where the parts were not timed (one lane: its forward is its own)."""
+    if len(owns) == 1:
+        return [seconds]
+    if not timed:
+        return [None] * len(owns)
+    shared = max(0.0, seconds - sum(owns))
+    return [shared + own for own in owns]
+
+
+def _lane_events(lane: Lane, step: int, token: int, seconds: float, alone: float | None, tokenizer) -> Iterator:
     for event in lane.cache.drain_events():
         event.lane = lane.name
         yield event
     lane.tokens.append(token)
     text = tokenizer.decode(lane.tokens, skip_special_tokens=True)
     delta, lane.text = text[len(lane.text):], text
-    yield TokenEvent(lane=lane.name, step=step, token_id=token, text=delta, seconds=seconds)
+    yield TokenEvent(lane=lane.name, step=step, token_id=token, text=delta, seconds=seconds, alone_seconds=alone)
     report = lane.cache.memory_report()
     yield MemoryEvent(lane=lane.name, step=step, total_bytes=report["total_bytes"],
                       fullkv_bytes=report["fullkv_bytes"], budget_bytes=report["budget_bytes"],

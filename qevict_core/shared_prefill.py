@@ -6,10 +6,14 @@ to every cache, which then compresses in its own way: N lanes cost one forward p
 layer's input is the first cache's attention output; the others' are equal up to float summation order.
 
 Decode: lanes are batch rows. Row i's keys and values go to cache i and row i attends only to cache i, so each lane
-decodes exactly as alone while the projections and MLPs run once for the whole batch.
+decodes exactly as alone while the projections and MLPs run once for the whole batch. Each cache's own part of the
+forward (its updates and attention) is timed into ``cache.own_seconds``, so a lane's speed can be told apart.
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache
@@ -33,8 +37,23 @@ class _FanOut:
         for row, (layer, (keys, values)) in enumerate(zip(self.layers, self.returned)):
             layer.claim(keys)
             rows = query if self.broadcast else query[row:row + 1]
-            outputs.append(layer.attend(module, rows, keys, values, scaling, dropout))
+            with own_time(layer.owner):
+                outputs.append(layer.attend(module, rows, keys, values, scaling, dropout))
         return outputs[0] if self.broadcast else torch.cat(outputs, dim=0)
+
+
+@contextmanager
+def own_time(cache: ReportingCache):
+    """Adds the wall time of the block to ``cache.own_seconds``: the part of a shared forward that is this lane's
+    alone (its cache updates and attention). CPU only: on an accelerator the time would be of kernel launches."""
+    if cache.device_type != "cpu":
+        yield
+        return
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        cache.own_seconds += time.perf_counter() - started
 
 
 class LaneBatch(Cache):
@@ -48,9 +67,11 @@ class LaneBatch(Cache):
         broadcast = key_states.shape[0] == 1
         if not broadcast and key_states.shape[0] != len(self.caches):
             raise ValueError(f"batch of {key_states.shape[0]} rows for {len(self.caches)} lanes")
-        returned = [cache.update(key_states if broadcast else key_states[i:i + 1],
-                                 value_states if broadcast else value_states[i:i + 1], layer_idx)
-                    for i, cache in enumerate(self.caches)]
+        returned = []
+        for i, cache in enumerate(self.caches):
+            with own_time(cache):
+                returned.append(cache.update(key_states if broadcast else key_states[i:i + 1],
+                                             value_states if broadcast else value_states[i:i + 1], layer_idx))
         module = self.caches[0]._attention_modules[layer_idx]
         module.qevict_layer = _FanOut([cache.layers[layer_idx] for cache in self.caches], returned, broadcast)
         return returned[0]

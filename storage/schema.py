@@ -102,6 +102,7 @@ class TokenDoc(BaseModel):
     token_id: Annotated[int, Field(ge=0, le=10**7)]
     text: Annotated[str, Field(max_length=1000)]
     seconds: Seconds = 0.0
+    alone_seconds: Seconds | None = None
 
 
 class MemoryDoc(BaseModel):

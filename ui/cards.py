@@ -55,7 +55,8 @@ def lanes_html(view: RunView) -> str:
             stats.append("per layer: " + ", ".join(f"{lane.tiers[t]} {TIER_WORDS[t]}" for t in TIER_WORDS
                                                    if lane.tiers.get(t)) + " tokens")
         if lane.ms_per_token:
-            stats.append(f"{lane.ms_per_token:.0f} ms per token (shared forward)")
+            how = "alone, estimated" if lane.alone_seconds is not None else "shared forward"
+            stats.append(f"{lane.ms_per_token:.0f} ms per token ({how})")
         if lane.done:
             stats.append(_esc(lane.done))
         prefix = agreement.get(lane.name, (None, len(lane.tokens)))[1]
@@ -137,12 +138,12 @@ def moves_html(view: RunView, lane: str | None, layer: int, limit: int = 12) -> 
 
 
 MEASURES = ["tokens", "KV MiB", "% of FullKV", "full-precision tokens", "low-bit tokens", "evicted tokens",
-            "promotions", "demotions", "ms per token", "% same as FullKV"]
+            "promotions", "demotions", "ms per token alone", "% same as FullKV"]
 
 
 def stats_table(view: RunView) -> dict:
     """Measures (rows) x lanes (columns), one unit per row, so three lanes fit a phone screen. Token rows are per
-    layer (mean over layers), moves are windows summed over layers, time is that of the shared forward."""
+    layer (mean over layers), moves are windows summed over layers, time is the lane's estimate alone."""
     agreement = view.agreement()
     columns = []
     for lane in view.lanes.values():

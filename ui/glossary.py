@@ -16,8 +16,11 @@ GLOSSARY = """
 - **full / low-bit / evicted tokens** — tokens of one layer in each tier, averaged over layers; the same unit for
   every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
 - **promotions / demotions** — window moves between the tiers, summed over layers.
-- **ms per token** — decode time per token. All lanes share one batched forward, so this is the time of that
-  shared step, not of each method alone (`bench.speed` times methods alone).
+- **ms per token** — decode time per token of each lane *had it run alone*, estimated: the lanes share one batched
+  forward, whose shared part (embeddings, projections, MLPs: on a CPU about as fast for three rows as for one)
+  is added to the time of the lane's own cache updates and attention, timed inside that forward. Where those
+  parts cannot be timed (on a GPU) it is the shared forward's time, and says so. `bench.speed` times methods
+  truly alone.
 - **% same as FullKV** — share of positions where the lane produced FullKV's token; the card says where the two
   texts first differ (the differing part is underlined).
 - **budget** — the bytes a method may keep, as a share of FullKV's bytes for the whole run. On short runs some

@@ -25,7 +25,8 @@ class LaneView:
     tiers: dict[str, int] = field(default_factory=dict)  # tokens per tier in one layer (mean over layers)
     history: list[tuple[int, dict[str, int], int]] = field(default_factory=list)  # (step, components, FullKV bytes)
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # of the shared forwards
+    alone_seconds: float | None = None  # the lane's own estimate (None when its decode steps were not timed)
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -34,8 +35,10 @@ class LaneView:
 
     @property
     def ms_per_token(self) -> float | None:
+        """Decode time per token: the lane's own estimate when timed, else that of the shared forward."""
         decoded = len(self.tokens) - 1
-        return 1000 * self.decode_seconds / decoded if decoded > 0 and self.decode_seconds > 0 else None
+        seconds = self.alone_seconds if self.alone_seconds is not None else self.decode_seconds
+        return 1000 * seconds / decoded if decoded > 0 and seconds > 0 else None
 
     @property
     def ratio(self) -> float:
@@ -81,6 +84,9 @@ class RunView:
                 lane.prefill_seconds = event["seconds"]
             else:
                 lane.decode_seconds += event["seconds"]
+                alone = event.get("alone_seconds")
+                if alone is not None:
+                    lane.alone_seconds = (lane.alone_seconds or 0.0) + alone
         elif kind == "memory":
             lane.total_bytes, lane.fullkv_bytes = event["total_bytes"], event["fullkv_bytes"]
             lane.budget_bytes, lane.peak_bytes = event["budget_bytes"], event["peak_bytes"]
