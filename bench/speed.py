@@ -17,6 +17,7 @@ its level after loading the model and warming up, sampled every 2 ms. KV bytes a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import statistics
@@ -80,6 +81,15 @@ class PeakRSS:
         self.peak = self.high - self.base
 
 
+def release_free_memory() -> None:
+    """Hand memory the allocator keeps after the warm-up back to the system, so that the resident set at the start
+    of a run holds only live tensors and the run's peak above it is its own (glibc; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,6 +102,8 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        release_free_memory()
     steps: list[tuple[float, bool]] = []  # (seconds, routed) per decode step
     with PeakRSS() as rss, torch.inference_mode():
         sync(device)

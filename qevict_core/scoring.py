@@ -28,9 +28,13 @@ def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
     groups = hq // hkv
     logits = torch.matmul(query.float().reshape(b, hkv, groups * q, d), keys.float().transpose(2, 3))
     logits = logits.mul_(scaling).view(b, hkv, groups, q, n)  # (B, Hkv, G, q, N)
-    hidden = key_pos[:, None, None, None, :] > query_pos[None, None, None, :, None]
-    if hidden.any():
-        logits.masked_fill_(hidden, float("-inf"))
+    # Only keys newer than the oldest query can be hidden from some query; keys come in any order, so find them
+    # first and mask just those columns (the whole (q, N) mask cost more than the scores at a routing event).
+    later = (key_pos > query_pos.min()).any(dim=0).nonzero().flatten()
+    if later.numel():
+        hidden = key_pos[:, None, None, None, later] > query_pos[None, None, None, :, None]  # (B, 1, 1, q, k)
+        cols = logits.index_select(4, later).masked_fill_(hidden, float("-inf"))
+        logits.index_copy_(4, later, cols)
     return torch.softmax(logits, dim=-1)
 
 
