@@ -33,18 +33,21 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
     lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
     lengths = sorted({n for _, n in columns})
     header = (["method", "KV ratio (measured)"] + [f"{t} {n // 1024}K" for t, n in columns]
-              + [f"avg {n // 1024}K (samples)" for n in lengths])
+              + [f"avg {n // 1024}K (samples)" for n in lengths] + ["errors"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     points = []
     for method, budget in lanes:
-        scores, ratios = [], []
+        scores, ratios, errors = [], [], 0
         for task, length in columns:
             group = cells.get((method, budget, task, length), [])
-            scores.append(100 * mean(r["score"] for r in group) if group else None)
+            scored = [r["score"] for r in group if r.get("score") is not None]  # errors are not zeros
+            errors += len(group) - len(scored)
+            scores.append(100 * mean(scored) if scored else None)
             ratios += [r["kv_ratio"] for r in group]
         # Per length, every sample counts once: the tasks have equal sample counts in a finished sweep.
         per_length = [[r["score"] for (t, n) in columns if n == length
-                       for r in cells.get((method, budget, t, n), [])] for length in lengths]
+                       for r in cells.get((method, budget, t, n), []) if r.get("score") is not None]
+                      for length in lengths]
         averages = [100 * mean(s) if s else None for s in per_length]
         ratio = mean(ratios) if ratios else float("nan")
         valid = [a for a in averages if a is not None]
@@ -52,11 +55,12 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
         lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}"]
                                        + [f"{s:.1f}" if s is not None else "—" for s in scores]
                                        + [f"{a:.1f} ({len(s)})" if a is not None else "—"
-                                          for a, s in zip(averages, per_length)]) + " |")
+                                          for a, s in zip(averages, per_length)] + [str(errors)]) + " |")
     out.mkdir(parents=True, exist_ok=True)
     table = out / "ruler_table.md"
     table.write_text("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
-                     "the end of generation; avg: mean over every sample of that length (sample count in brackets).\n\n"
+                     "the end of generation; avg: mean over every sample of that length (sample count in brackets); "
+                     "errors: samples whose generation raised, left out of every score.\n\n"
                      + "\n".join(lines) + "\n")
     pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
     return table

@@ -106,9 +106,14 @@ def run(args) -> None:
                 lane.done = "answered"
         for method, budget, lane in runs:
             memory = lane.cache.memory_report()
+            stop = lane.done or "length"
+            failed = stop.startswith("error")
             append_jsonl(path, {
                 "method": method, "budget": budget, "task": task, "length": length, "sample": sample_idx,
-                "seed": seed, "score": string_match_all(lane.text, sample.answers), "answers": list(sample.answers),
+                # A lane whose forward raised has no answer to score: it is an error, never a zero.
+                "seed": seed, "score": None if failed else string_match_all(lane.text, sample.answers),
+                "stop": stop, "error": stop.removeprefix("error: ") if failed else None,
+                "answers": list(sample.answers),
                 "prediction": lane.text[:400], "prompt_tokens": ids.shape[1], "new_tokens": len(lane.tokens),
                 "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"],
                 "total_bytes": memory["total_bytes"], "prefill_s_shared": lane.prefill_seconds,

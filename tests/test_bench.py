@@ -65,7 +65,25 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     table = (tmp_path / "ruler_table.md").read_text()
     assert "qevict @30%" in table and "fullkv" in table
     fullkv_row = next(line for line in table.splitlines() if line.startswith("| fullkv "))
-    assert fullkv_row.rstrip(" |").endswith("(4)")  # 1K average over 2 tasks x 2 samples
+    assert fullkv_row.rstrip(" |").endswith("(4) | 0")  # 1K average over 2 tasks x 2 samples; no errors
+    assert all(r["stop"] in ("eos", "length", "answered") and r["error"] is None for r in rows)
+
+
+def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
+    from qevict_core.eviction import EvictionLayer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(EvictionLayer, "attend", broken)
+    ruler.main(["--model", "tiny", "--methods", "fullkv,snapkv", "--budgets", "0.3", "--lengths", "1024",
+                "--tasks", "niah_single_1", "--samples", "1", "--out", str(tmp_path)])
+    rows = read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))
+    # The lanes share one forward, so the failure ends both: neither is scored.
+    assert [(r["score"], r["error"]) for r in rows] == [(None, "out of memory (simulated)")] * 2
+    snapkv_row = next(line for line in (tmp_path / "ruler_table.md").read_text().splitlines()
+                      if line.startswith("| snapkv"))
+    assert snapkv_row.rstrip(" |").endswith("— | — | 1")  # no score, no average, one error
     assert (tmp_path / "ruler_pareto.png").stat().st_size > 5000
     assert "plotly" in (tmp_path / "ruler_pareto.html").read_text()
 
