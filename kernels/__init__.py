@@ -2,7 +2,7 @@
 
 - ``quant_attention``: attention of queries over the packed INT2/INT4 ledger, dequantized and re-rotated in
   registers, GQA-aware, split over keys; returns output and log-sum-exp so segments merge exactly.
-- ``window_mass``: per-key attention mass of buffered queries from their saved log-sum-exp, for routing, without
+- ``window_mass``: per-key attention mass of a step's queries from their log-sum-exp, for routing, without
   materialising attention rows.
 - ``merge``: exact log-sum-exp merge of attention segments and the full-precision segment with its LSE.
 

@@ -1,9 +1,9 @@
 """Routing scores without materialising attention rows.
 
-At a routing event the queries of the last Ω steps are replayed against the keys. Each query's log-sum-exp over
-everything it could see was saved when it attended, so the probability of key j is exp(q·k_j·scale - lse): one
-pass over the keys gives every key's mass, summed over the group's query heads and the buffered queries, with a
-causal mask on absolute positions. Quantized keys are dequantized and re-rotated in registers, as in attention.
+Right after a step attends, its queries' log-sum-exp over everything they could see gives the probability of key
+j as exp(q·k_j·scale - lse): one pass over the keys gives every key's mass, summed over the group's query heads and
+the step's queries, with a causal mask on absolute positions. Quantized keys are dequantized and re-rotated in
+registers, as in attention.
 """
 
 from __future__ import annotations

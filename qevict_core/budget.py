@@ -2,7 +2,7 @@
 
 Every persistent tensor a layer keeps is charged here with the same constructors the layer uses, so the plan and
 the measured ``memory_report()`` cannot drift apart: full-precision K/V, packed codes, scales and zero-points,
-window ids, dormant-ledger flags, the score table and the buffered queries of the scorer.
+window ids, dormant-ledger flags and the scorer's tables.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class TierPlan:
     k_full: int
     k_quant: int
     keeps_dormant: bool
-    fixed_bytes: int  # per layer: sinks, recent region with Ω pending tokens, score table, query buffer
+    fixed_bytes: int  # per layer: sinks, recent region with Ω pending tokens, score tables
     full_window_bytes: int  # per layer and window, dormant-ledger reservation included when kept
     quant_window_bytes: int
     # The budget holds every token of max_length uncompressed: no windows, scores or routing, so the cache is
@@ -95,8 +95,8 @@ class TierPlan:
     uncompressed: bool = False
 
 
-def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer: bool,
-               lse_buffer: bool = False) -> TierPlan:
+def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_table: bool = False) -> TierPlan:
+    """``interval_table``: the scorer keeps an interval's mass in a second (B, W) table (see scorers.py)."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1 (got {max_length})")
     budget = budget_bytes_of(shape, cfg, max_length)
@@ -105,11 +105,7 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer:
         return TierPlan(max_length, budget, num_windows, num_windows, 0, False, 0, 0, 0, uncompressed=True)
     # The recent region holds up to recent + Ω - 1 tokens after routing, plus Ω arriving before the next event.
     fp_tokens = min(cfg.sinks + cfg.recent + 2 * cfg.omega - 1, max_length)
-    fixed = fp_tokens * shape.token_bytes() + shape.batch * num_windows * SCORE_BYTES
-    if query_buffer:
-        fixed += shape.batch * shape.num_q_heads * cfg.omega * shape.head_dim * shape.element_size
-    if lse_buffer:  # the kernel path keeps each buffered query's float32 log-sum-exp
-        fixed += shape.batch * shape.num_q_heads * cfg.omega * SCORE_BYTES
+    fixed = fp_tokens * shape.token_bytes() + (2 if interval_table else 1) * shape.batch * num_windows * SCORE_BYTES
     hist = budget // shape.num_layers - fixed
     if hist < 0:
         least = min(shape.num_layers * fixed, shape.fullkv_bytes(max_length))
@@ -124,6 +120,8 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer:
     m_dormant = m_quant + shape.batch * FLAG_BYTES
     keeps_dormant = cfg.promotion and cfg.q_frac > 0
     m_f = m_full + (m_dormant if keeps_dormant else 0)
+    if cfg.k_full is not None:
+        return _fixed_capacities(shape, cfg, max_length, budget, num_windows, fixed, m_f, m_quant, keeps_dormant)
     k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
     k_quant = math.floor(cfg.q_frac * hist / m_quant)
     if k_full + k_quant > num_windows:
@@ -134,4 +132,26 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, query_buffer:
     if k_quant == 0 and keeps_dormant:
         keeps_dormant, m_f = False, m_full
         k_full = min(num_windows, hist // m_f)
+    return TierPlan(max_length, budget, num_windows, k_full, k_quant, keeps_dormant, fixed, m_f, m_quant)
+
+
+def _fixed_capacities(shape: KVShape, cfg: QEvictConfig, max_length: int, budget: int, num_windows: int, fixed: int,
+                      m_f: int, m_quant: int, keeps_dormant: bool) -> TierPlan:
+    """The plan for capacities given in the config, if the budget holds them; otherwise an error itemising what
+    one layer needs against what it gets."""
+    k_full, k_quant = min(cfg.k_full, num_windows), min(cfg.k_quant, num_windows - min(cfg.k_full, num_windows))
+    keeps_dormant = keeps_dormant and k_quant > 0
+    m_f = m_f if keeps_dormant else cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
+    per_layer = budget // shape.num_layers
+    needed = fixed + k_full * m_f + k_quant * m_quant
+    if needed > per_layer:
+        total = needed * shape.num_layers
+        ledger = " (window bytes include the dormant ledger record each full window may hold)" if keeps_dormant else ""
+        raise BudgetTooSmall(
+            f"K_f={k_full}, K_q={k_quant} need {needed} bytes per layer but the budget gives {per_layer}: "
+            f"{fixed} for sinks, recent region, the {2 * cfg.omega - 1} tokens arriving between routing events and "
+            f"the score table, {k_full} x {m_f} for full windows{ledger} and {k_quant} x {m_quant} for quantized "
+            f"windows. {needed - per_layer} bytes per layer are missing: they need {total} bytes in all "
+            f"({total / shape.fullkv_bytes(max_length):.3f} of the full cache), the budget is {budget}", total,
+            f"K_f={k_full} full and K_q={k_quant} quantized windows per layer need that much")
     return TierPlan(max_length, budget, num_windows, k_full, k_quant, keeps_dormant, fixed, m_f, m_quant)

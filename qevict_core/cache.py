@@ -9,7 +9,8 @@ rest evicted. Quantized windows take part in attention, so they keep accumulatin
 State of one layer, all in the (B, H, T, D) layout, sized to what is live (nothing is preallocated):
   sink_k/v (B,H,s,D) | full_k/v (B,H,nF*Ω,D) + full_ids (B,nF) | recent_k/v (B,H,nR,D) from ``recent_start``
   quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
-  scores (B,W) float32 (the scorer's table); qbuf (B,Hq,<Ω,D) queries since the last routing event.
+  scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
+  queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
 ``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
 from that tensor, so promotion costs a gather, not another dequantization.
 """
@@ -26,7 +27,7 @@ from .layout import gather_seq, window_of_position, window_positions
 from .ledger import WindowLedger
 from .rope import Rope
 from .scorers import make_scorer
-from .scoring import key_attention_mass, window_mass
+from .scoring import attend_with_mass, kv_head_mass, window_mass
 from . import fast_path
 from .assemble import assemble
 from .attention import sdpa_with_positions, use_qevict_attention
@@ -66,7 +67,7 @@ class QEvictLayer(ReportingLayer):
         self.recent_start = owner.config.sinks
         windows = 0 if owner.plan.uncompressed else owner.plan.num_windows
         self.scores = torch.zeros(b, windows, dtype=torch.float32, device=key_states.device)
-        self.qbuf = self.qlse = None  # queries since the last routing event (and their LSEs, kernel path)
+        self.interval = torch.zeros_like(self.scores) if owner.scorer.keeps_interval else None
         self.is_initialized = True
 
     def append(self, key_states, value_states):
@@ -103,35 +104,38 @@ class QEvictLayer(ReportingLayer):
     def _attend(self, module, query, key, value, scaling, dropout):
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
             return sdpa_with_positions(module, query, key, value, scaling, dropout)
-        fast = self.owner.kernels and self.owner.step > 0  # the prompt has no quantized tier yet: SDPA
-        if fast:
+        scored = self.owner.scorer.needs_attention
+        query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
+        window = self.owner.config.prefill_window
+        if self.owner.kernels and self.owner.step > 0:  # the prompt has no quantized tier yet: SDPA
             merged, lse = fast_path.attend(self, query, key, value, scaling)
             out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
+            if scored:  # from the LSEs just computed, the quantized tier read in place
+                self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1])
+            if self.owner.schedule.routing_now and self.quant.num_windows:  # moves need it dequantized
+                q_keys, q_values = self._dequantized()
+                key, value = torch.cat([q_keys, key], dim=2), torch.cat([q_values, value], dim=2)
+        elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
+            # A decode step: one attention pass gives the output and every key's mass.
+            out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
+            self._fold(mass, query.shape[1])
         else:
-            out, lse = sdpa_with_positions(module, query, key, value, scaling, dropout), None
-        if self.owner.scorer.needs_attention:
-            self._buffer(query, lse)
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+            if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
+                if window and query.shape[2] > window:
+                    query, query_pos = query[:, :, -window:], query_pos[-window:]
+                self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
         if self.owner.schedule.routing_now:
-            mass = None
-            if fast:  # scores from the saved LSEs, the quantized tier read in place; moves need it dequantized
-                if self.qbuf is not None:
-                    mass = fast_path.routing_mass(self, key, self.fp_positions(), scaling)
-                if self.quant.num_windows:
-                    q_keys, q_values = self._dequantized()
-                    key, value = torch.cat([q_keys, key], dim=2), torch.cat([q_values, value], dim=2)
-            self._route(key, value, scaling, mass)
+            self._route(key, value)
             self.owner.note_bytes(self.layer_idx)
         return out
 
-    def _buffer(self, query: torch.Tensor, lse: torch.Tensor | None) -> None:
-        window = self.owner.config.prefill_window
-        if window and query.shape[2] > window:  # a prompt: score with its observation window only
-            self.qbuf = self.qlse = None
-            query = query[:, :, -window:]
-            lse = lse[:, :, -window:] if lse is not None else None
-        self.qbuf = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
-        if lse is not None:
-            self.qlse = lse if self.qlse is None else torch.cat([self.qlse, lse], dim=2)
+    def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
+        """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
+        the score table; Eq. 1 averages over the ``q_heads`` query heads."""
+        key_window = window_of_position(self.attended_positions(), *self._grid)
+        mass = window_mass(kv_mass.sum(dim=1) / q_heads, key_window, self.owner.plan.num_windows)
+        self.owner.scorer.fold(self.scores, self.interval, mass)
 
     def attended_positions(self) -> torch.Tensor:
         """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
@@ -147,19 +151,10 @@ class QEvictLayer(ReportingLayer):
         parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
         return torch.cat(parts, dim=1)
 
-    def _route(self, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-               mass: torch.Tensor | None = None) -> None:
-        """``keys``/``values`` in the order [quantized | sinks | full | recent]; ``mass``: per-key attention mass
-        of the buffered queries when the kernels computed it."""
+    def _route(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys``/``values`` in the order [quantized | sinks | full | recent]."""
         owner, (sinks, omega) = self.owner, self._grid
-        key_pos = self.attended_positions()
-        if self.qbuf is not None:
-            if mass is None:
-                query_pos = torch.arange(self.seen - self.qbuf.shape[2], self.seen, device=keys.device)
-                mass = key_attention_mass(self.qbuf, query_pos, keys, key_pos, scaling)
-            owner.scorer.update(self.scores, window_mass(mass, window_of_position(key_pos, sinks, omega),
-                                                         owner.plan.num_windows))
-            self.qbuf = self.qlse = None
+        owner.scorer.settle(self.scores, self.interval)
         first_recent = (self.recent_start - sinks) // omega
         num_aged = max(0, (self.seen - owner.config.recent - sinks) // omega - first_recent)
         aged_ids = torch.arange(first_recent, first_recent + num_aged, device=keys.device, dtype=torch.int32)
@@ -206,6 +201,7 @@ class QEvictLayer(ReportingLayer):
         owner.count_moves(decision, n_quant, n_full)
         if old is not None:
             owner.events.append(self._event(old, aged_ids[0].tolist()))
+        owner.scorer.carry(self.scores)
 
     def _event(self, old, aged: list[int]) -> RoutingEvent:
         old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
@@ -238,8 +234,7 @@ class QEvictLayer(ReportingLayer):
             "quant_meta": quant["quant_meta"],
             "index": quant["index"] + self.full_ids.nbytes,
             "ledger": dormant + self.dormant_valid.nbytes,
-            "scores": self.scores.nbytes,
-            "query_buffer": sum(t.nbytes for t in (self.qbuf, self.qlse) if t is not None),
+            "scores": self.scores.nbytes + (self.interval.nbytes if self.interval is not None else 0),
         }
 
     def tier_counts(self) -> dict[str, int]:
@@ -277,8 +272,7 @@ class QEvictCache(ReportingCache):
         self.scorer = make_scorer(config)
         shape = KVShape.from_model(model, batch_size)
         self.kernels = fast_path.kernels_enabled(config.kernels, next(model.parameters()).device)
-        self.plan = plan_tiers(shape, config, max_length, query_buffer=self.scorer.needs_attention,
-                               lse_buffer=self.kernels and self.scorer.needs_attention)
+        self.plan = plan_tiers(shape, config, max_length, interval_table=self.scorer.keeps_interval)
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
         self._moves: torch.Tensor | None = None

@@ -34,6 +34,9 @@ class QEvictConfig:
     p:            exponent of the ``pnorm`` scorer.
     record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
     kernels:      "auto" (Triton kernels on CUDA), "triton" (forced; on CPU under TRITON_INTERPRET=1) or "torch".
+    k_full, k_quant: tier capacities in windows per layer, set together, instead of Eq. 3's split of the budget:
+                  for ablations at equal capacity (Appendix K); the plan still refuses them if the budget cannot
+                  hold them, and says which bytes are missing.
     """
 
     budget: float = 0.2
@@ -50,6 +53,17 @@ class QEvictConfig:
     p: float = 3.0
     record_events: bool = True
     kernels: str = "auto"
+    k_full: int | None = None
+    k_quant: int | None = None
+
+    @classmethod
+    def paper(cls, **changes) -> QEvictConfig:
+        """The paper's configuration taken literally (Section 5, Appendix B.5): Ω = 8, 5 sinks, 32 recent tokens,
+        INT2, q = 0.70, cumulative scores, promotion, and prefill scores summed over every prompt query (Eq. 1),
+        where the tuned default uses the prompt's last 32 queries. The paper protects 64 recent tokens on RULER
+        and 128 on LongBench: pass ``recent=`` for those."""
+        return cls(**{**dict(omega=8, sinks=5, recent=32, bits=2, q_frac=0.70, scorer="cumulative", promotion=True,
+                             prefill_window=0), **changes})
 
     def __post_init__(self) -> None:
         for name in ("budget", "q_frac", "decay", "p"):
@@ -84,6 +98,13 @@ class QEvictConfig:
             raise ValueError(f"decay must lie in (0, 1] (got {self.decay!r})")
         if not self.p >= 1.0:
             raise ValueError(f"p must be >= 1 (got {self.p!r})")
+        if (self.k_full is None) != (self.k_quant is None):
+            raise ValueError(f"k_full and k_quant are set together or not at all (got k_full={self.k_full!r}, "
+                             f"k_quant={self.k_quant!r})")
+        for name in ("k_full", "k_quant"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer number of windows >= 0, or None (got {value!r})")
 
     def replace(self, **changes) -> QEvictConfig:
         return replace(self, **changes)

@@ -3,8 +3,8 @@
 With kernels on, ``update`` returns only the full-precision keys (sinks | full | recent). Attention runs as
 segments merged by log-sum-exp: the full-precision segment through PyTorch's fused attention (which returns its
 LSE), the quantized segment through ``kernels.quant_attention``, which dequantizes and re-rotates the packed codes
-in registers. Each query's merged LSE is kept with it until the next routing event, where ``kernels.window_mass``
-turns exp(q·k·scale - lse) into every key's attention mass — Eq. 1 without materialising attention rows.
+in registers. Right after, ``kernels.window_mass`` turns the step's exp(q·k·scale - lse) into every key's attention
+mass, which the layer folds into its score table — Eq. 1 without materialising attention rows or keeping queries.
 The prompt (nothing quantized yet) still takes SDPA and the chunked PyTorch scorer.
 """
 
@@ -47,17 +47,16 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     return merge_attention(parts) if len(parts) > 1 else parts[0]
 
 
-def routing_mass(layer, fp_keys: torch.Tensor, fp_positions: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(B, N) attention mass of the buffered queries on every key, laid out [quantized | full precision] like the
-    keys of the PyTorch path, averaged over query heads."""
+def key_mass(layer, query: torch.Tensor, query_pos: torch.Tensor, lse: torch.Tensor, fp_keys: torch.Tensor,
+             scaling: float) -> torch.Tensor:
+    """(B, Hkv, N) attention mass of this step's queries on every key, laid out [quantized | full precision] like
+    the keys of the PyTorch path, summed over each group's query heads."""
     from kernels.window_mass import fp_mass, quant_mass
 
-    query, lse = layer.qbuf, layer.qlse
-    query_pos = torch.arange(layer.seen - query.shape[2], layer.seen, device=query.device)
     masses = []
     if layer.quant.num_windows:
         rope = layer.owner.rope
         masses.append(quant_mass(query, query_pos, lse, layer.quant, layer.owner.config.sinks, rope.inv_freq,
                                  rope.attention_scaling, scaling))
-    masses.append(fp_mass(query, query_pos, lse, fp_keys, fp_positions, scaling))
-    return torch.cat(masses, dim=2).sum(dim=1) / query.shape[1]
+    masses.append(fp_mass(query, query_pos, lse, fp_keys, layer.fp_positions(), scaling))
+    return torch.cat(masses, dim=2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .budget import KVShape, plan_tiers
 from .cache import QEvictCache
 from .cache_base import ReportingCache
 from .config import QEvictConfig
@@ -16,6 +17,7 @@ from .eviction import EvictionCache
 from .fullkv import FullKVCache
 from .kivi import KIVICache
 from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
+from .scorers import make_scorer
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,16 @@ class MethodSpec:
     family: str  # "reference", "qevict", "eviction" or "quantization"
 
 
-def _qevict(name: str, **overrides) -> Callable[..., ReportingCache]:
+def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[..., ReportingCache]:
+    """``same_capacity``: an ablation runs with the K_f and K_q that QEvict gets from the same config (as the
+    paper's Appendix K does), not with what its own byte needs would give (without promotion no full window
+    reserves a ledger record, so Eq. 3 would hand it more full windows and the ablation would measure that too)."""
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        if same_capacity and config.k_full is None:
+            plan = plan_tiers(KVShape.from_model(model, batch_size), config, max_length,
+                              interval_table=make_scorer(config).keeps_interval)
+            if not plan.uncompressed:
+                config = config.replace(k_full=plan.k_full, k_quant=plan.k_quant)
         cache = QEvictCache(model, config.replace(**overrides), max_length, batch_size)
         cache.method = name
         return cache
@@ -56,8 +66,12 @@ METHODS: dict[str, MethodSpec] = {
     "qevict": MethodSpec(_qevict("qevict"), "QEvict: windows routed by cumulative attention into full precision, a "
                          "recoverable INT2/INT4 tier or eviction, with promotion.", "arXiv 2608.05326, Alg. 1",
                          "qevict"),
-    "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", promotion=False), "QEvict one-way ablation: "
-                                 "Full -> Quantized -> Evicted, no promotion.", "arXiv 2608.05326, App. K", "qevict"),
+    "qevict_paper": MethodSpec(_qevict("qevict_paper", prefill_window=0), "QEvict, the paper's preset "
+                               "(QEvictConfig.paper()): prefill scores summed over every prompt query (Eq. 1) instead "
+                               "of the last 32.", "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict"),
+    "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
+                                 "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
+                                 "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),
     "r1": MethodSpec(_qevict("r1", omega=1, q_frac=0.0), "R1: token-level eviction by cumulative attention "
                      "(Ω = 1, no quantized tier).", "arXiv 2608.05326, App. I.1", "qevict"),
     "r2": MethodSpec(_qevict("r2", q_frac=0.0), "R2: two-tier window eviction (Ω = 8, no quantized tier).",

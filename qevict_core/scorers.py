@@ -1,8 +1,11 @@
 """Window ranking functions (Section 4.2 and Appendix J).
 
 A scorer owns one float32 table per layer, ``(B, num_windows)``, indexed by window id. Attention-based scorers
-fold in ``u_t(w)``, the attention mass a window received from the queries since the previous routing event
-(Eq. 20); ``ranking`` turns the table into the key that routing sorts by (higher is kept).
+see ``u_t(w)``, the attention mass a window received from the queries since the previous routing event (Eq. 20),
+one step at a time: ``fold`` adds a step's mass as it runs, ``settle`` finishes the table before a routing event
+ranks it and ``carry`` prepares it for the next interval. Only a scorer that transforms a whole interval's mass
+(``keeps_interval``, Eq. 23's power) needs that mass apart from the table until the event: a second (B, W) table,
+charged to the budget like the first. ``ranking`` turns the table into the key that routing sorts by.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ from .config import QEvictConfig
 @dataclass
 class Scorer:
     needs_attention = True
+    keeps_interval = False
 
-    def update(self, table: torch.Tensor, mass: torch.Tensor) -> None:
-        """Fold one routing event's attention mass (B, W) into the table, in place."""
-        raise NotImplementedError
+    def fold(self, table: torch.Tensor, interval: torch.Tensor | None, mass: torch.Tensor) -> None:
+        """Add one step's attention mass (B, W), in place: S_t = S_{t-Ω} + u_t, built up step by step."""
+        table.add_(mass)
+
+    def settle(self, table: torch.Tensor, interval: torch.Tensor | None) -> None:
+        """Before a routing event ranks the table."""
+
+    def carry(self, table: torch.Tensor) -> None:
+        """After a routing event: what the table becomes before the next interval's mass is folded in."""
 
     def on_aged(self, table: torch.Tensor, window_ids: torch.Tensor, keys: torch.Tensor) -> None:
         """Called with the fp keys (B, H, n*Ω, D) of windows leaving the recent region."""
@@ -33,18 +43,16 @@ class Scorer:
 class CumulativeScorer(Scorer):
     """Eq. 1 / 21: S_t = S_{t-Ω} + u_t."""
 
-    def update(self, table, mass):
-        table.add_(mass)
-
 
 @dataclass
 class DecayScorer(Scorer):
-    """Eq. 22: S_t = λ S_{t-Ω} + u_t."""
+    """Eq. 22: S_t = λ S_{t-Ω} + u_t. The decay is applied right after an event, so the steps that follow add to
+    λ S_{t-Ω} and the next event ranks exactly Eq. 22's value."""
 
     decay: float = 0.99
 
-    def update(self, table, mass):
-        table.mul_(self.decay).add_(mass)
+    def carry(self, table):
+        table.mul_(self.decay)
 
 
 @dataclass
@@ -52,9 +60,14 @@ class PNormScorer(Scorer):
     """Eq. 23: S_t = (Σ_r u_r^p)^(1/p). The table keeps Σ u^p, which sorts the same way."""
 
     p: float = 3.0
+    keeps_interval = True
 
-    def update(self, table, mass):
-        table.add_(mass.pow(self.p))
+    def fold(self, table, interval, mass):
+        interval.add_(mass)
+
+    def settle(self, table, interval):
+        table.add_(interval.pow(self.p))
+        interval.zero_()
 
     def ranking(self, table):
         return table.pow(1.0 / self.p)
@@ -72,7 +85,7 @@ class KeyNormScorer(Scorer):
         per_window = -norms.mean(dim=(1, 3))  # (B, n)
         table.scatter_(1, window_ids.long().expand(b, -1), per_window)
 
-    def update(self, table, mass):
+    def fold(self, table, interval, mass):
         raise RuntimeError("keynorm needs no attention mass")
 
 

@@ -1,9 +1,10 @@
-"""Attention mass per key from buffered queries, without eager attention and without a T x T matrix.
+"""Attention mass per key (Eq. 1's inner sum), without eager attention over the prompt and without a T x T matrix.
 
-At a routing event the queries seen since the previous event are replayed against the keys accessible now, with a
-causal mask on absolute positions. Between two routing events the tiers do not change, so this is exactly the
-sum of the probabilities those queries produced (Eq. 1); it costs one attention pass over the buffer, amortised
-over Ω decode steps. Queries are processed in chunks so that prefill never materialises T x T probabilities.
+Decode steps fold their own attention mass into the window score table as they run: :func:`attend_with_mass`
+computes the step's attention once, as probabilities, and returns both the output and every key's mass, so nothing
+but the (B, W) table persists between routing events (a buffer of the queries since the last event used to be
+replayed against the keys at the event; between two events the tiers do not change, so the sum is the same).
+The prompt's mass comes from :func:`kv_head_mass`, in chunks, so prefill never materialises T x T probabilities.
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def kv_head_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tenso
                                 scaling)
         mass[:, :, :limit] += probs.sum(dim=(2, 3))
     return mass
+
+
+def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                     values: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention that also returns what each key received: for a few queries (decode steps).
+
+    query (B, Hq, q, D); keys, values (B, Hkv, N, D) in any order with positions key_pos (B, N).
+    -> out (B, q, Hq, D) in the query dtype, as transformers' attention functions return it, and the per-key mass
+    (B, Hkv, N) float32 summed over each group's query heads and the queries.
+    """
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    probs = attention_probs(query, query_pos, keys, key_pos, scaling)  # (B, Hkv, G, q, N)
+    out = torch.matmul(probs.flatten(2, 3), values.float())  # (B, Hkv, G*q, D)
+    out = out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)  # (B, q, Hq, D): head h reads KV head h // G
+    return out, probs.sum(dim=(2, 3))
 
 
 def key_attention_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
+
+NEW_STEPS = 40
 from qevict_core.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model
 from tests.test_equivalence import _Tok
@@ -96,8 +98,6 @@ def test_a_budget_that_holds_everything_runs_qevict_as_fullkv():
 
 @pytest.mark.parametrize("method", ["qevict", "r1", "snapkv", "h2o", "streamingllm", "adakv", "layer_defensivekv"])
 def test_a_refused_budget_names_the_least_that_runs(method):
-    from qevict_core import BudgetTooSmall
-
     model = tiny_model("llama", 2)
     with pytest.raises(BudgetTooSmall) as refused:
         make_cache(method, model, QEvictConfig(budget=0.01), max_length=120)
@@ -119,3 +119,61 @@ def test_a_sequence_shorter_than_a_policys_window_is_not_refused():
     lane = Lane("snapkv", cache)
     list(generate_lanes(model, _Tok(), random_prompt(10), [lane], Sampling(max_new_tokens=10)))
     assert cache.summary()["evictions"] == 0 and len(lane.tokens) == 10
+
+
+LLAMA_8B = KVShape(num_layers=32, num_kv_heads=8, num_q_heads=32, head_dim=128, dtype=torch.bfloat16)
+
+
+def test_the_paper_preset_is_the_default_with_eq1_over_every_prompt_query():
+    paper, default = QEvictConfig.paper(), QEvictConfig()
+    assert paper.prefill_window == 0 and default.prefill_window == 32
+    assert paper.replace(prefill_window=32) == default
+    assert QEvictConfig.paper(recent=64).recent == 64
+    # The registry's paper lane, which the benchmarks and the studio run, is that preset.
+    assert make_cache("qevict_paper", tiny_model("llama", 2), default, max_length=500).config == paper
+
+
+def test_no_query_buffer_is_charged_and_r4_runs_at_the_papers_setting():
+    # Appendix I.1: Llama-8B shapes, 768 tokens, 20%. Before scores were folded step by step, a buffer of Ω
+    # queries per layer was charged and R4 (Ω = 32) could not run at all.
+    r3 = plan_tiers(LLAMA_8B, QEvictConfig.paper(budget=0.2), 768)
+    r4 = plan_tiers(LLAMA_8B, QEvictConfig.paper(budget=0.2, omega=32), 768)
+    assert (r3.k_full, r3.k_quant) == (3, 34)
+    assert (r4.k_full, r4.k_quant) == (0, 7)
+    per_layer_table = 4 * r3.num_windows
+    token = LLAMA_8B.token_bytes()
+    assert r3.fixed_bytes == (5 + 32 + 2 * 8 - 1) * token + per_layer_table
+
+
+def test_given_capacities_are_used_or_refused_with_the_missing_bytes():
+    fits = plan_tiers(LLAMA_8B, QEvictConfig.paper(budget=0.2, k_full=2, k_quant=30), 768)
+    assert (fits.k_full, fits.k_quant) == (2, 30)
+    with pytest.raises(BudgetTooSmall) as err:  # the paper's own R4 capacities do not fit our accounting
+        plan_tiers(LLAMA_8B, QEvictConfig.paper(budget=0.2, omega=32, k_full=1, k_quant=11), 768)
+    message = str(err.value)
+    assert "K_f=1, K_q=11 need 798869 bytes per layer but the budget gives 629145" in message
+    assert "169724 bytes per layer are missing" in message
+    assert err.value.needed_bytes == 798869 * 32
+    with pytest.raises(ValueError, match="set together"):
+        QEvictConfig(k_full=3)
+    with pytest.raises(ValueError, match="k_quant must be an integer"):
+        QEvictConfig(k_full=3, k_quant=-1)
+
+
+def test_the_promotion_ablation_runs_at_qevicts_capacities():
+    model = tiny_model("llama", 2)
+    config = QEvictConfig(budget=0.2)
+    qevict = make_cache("qevict", model, config, max_length=1000)
+    nopromo = make_cache("qevict_nopromo", model, config, max_length=1000)
+    assert (nopromo.plan.k_full, nopromo.plan.k_quant) == (qevict.plan.k_full, qevict.plan.k_quant)
+    assert not nopromo.config.promotion and not nopromo.plan.keeps_dormant
+    # Left to Eq. 3 alone it would get more full windows: none of them reserves a ledger record.
+    own = plan_tiers(KVShape.from_model(model), config.replace(promotion=False), 1000)
+    assert own.k_full > qevict.plan.k_full
+    prompt = random_prompt(1000 - NEW_STEPS)
+    with torch.inference_mode():
+        logits = model(prompt, cache=nopromo).logits[:, -1]
+        for _ in range(NEW_STEPS):
+            logits = model(logits.argmax(-1, keepdim=True), cache=nopromo).logits[:, -1]
+    assert nopromo.memory_report()["total_bytes"] <= nopromo.budget_bytes
+    assert nopromo.summary()["promotions"] == 0

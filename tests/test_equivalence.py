@@ -30,7 +30,7 @@ def test_full_budget_matches_dynamic_cache(any_tiny_model):
     tokens, logits = _greedy_with_logits(any_tiny_model, prompt, cache)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    # Nothing was routed or quantized, and the bytes are FullKV's: no score table or query buffer on top.
+    # Nothing was routed or quantized, and the bytes are FullKV's: no score table on top.
     assert not cache.events and all(t["quantized"] == t["evicted"] == 0 for t in cache.tier_counts())
     report = cache.memory_report()
     assert report["total_bytes"] == report["fullkv_bytes"] == cache.shape.fullkv_bytes(150 + NEW - 1)

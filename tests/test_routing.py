@@ -159,7 +159,6 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
         model.set_attn_implementation("eager")
         eager = model(full, output_attentions=True).attentions
         model.set_attn_implementation("qevict")
-    assert cache.layers[0].qbuf is None  # 16 tokens = two routing events: the buffer was consumed
     for layer_idx, probs in enumerate(eager):
         per_key = probs[0].sum(dim=(0, 1)) / probs.shape[1]
         expected = per_key[4:].reshape(26, 8).sum(dim=1)

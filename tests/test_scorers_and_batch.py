@@ -29,8 +29,12 @@ def test_every_scorer_routes_within_budget(scorer):
     assert report["total_bytes"] <= cache.budget_bytes
     tiers = cache.tier_counts()[1]
     assert tiers["full"] and tiers["quantized"] and tiers["evicted"]
-    # keynorm needs no attention probabilities, hence no query buffer.
-    assert (report["components"]["query_buffer"] == 0) == (scorer == "keynorm")
+    # Nothing of the queries persists: one float32 table of window scores per layer, two for pnorm (Eq. 23 raises
+    # each interval's mass to p, so that mass stays apart until the event).
+    tables = 2 if scorer == "pnorm" else 1
+    windows = cache.plan.num_windows
+    assert report["components"]["scores"] == tables * len(cache.layers) * windows * 4
+    assert "query_buffer" not in report["components"]
 
 
 def test_scorers_rank_differently():

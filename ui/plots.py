@@ -20,7 +20,7 @@ BYTE_GROUPS = {
     "full precision": ("sink", "recent", "full"),
     "low-bit codes": ("quantized",),
     "low-bit scales": ("quant_meta",),
-    "bookkeeping": ("index", "ledger", "scores", "query_buffer"),
+    "bookkeeping": ("index", "ledger", "scores"),
 }
 GROUP_COLORS = {"full precision": TIER_COLORS["full"], "low-bit codes": TIER_COLORS["quantized"],
                 "low-bit scales": "#fcd34d", "bookkeeping": "#9ca3af"}
