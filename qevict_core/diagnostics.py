@@ -2,16 +2,20 @@
 
 A policy's decisions come from its own routing events (``RoutingEvent`` dicts: what it kept at each event); the
 attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place that attention
-exists. Everything here is per layer, averaged over query heads (routing is shared by a layer's heads).
+exists. Routing is shared by a layer's heads; FMM is computed per layer and head as Appendix I.1 defines it, the
+window scores (Eq. 12, for tier mass, QSA and the oracle) on the mean over query heads, as the policy ranks.
 
-- Future Missed Mass (Eq. 13): future FullKV attention (next H queries) on positions a policy has made
-  inaccessible, over the attention on all positions that existed at the event.
-- Selection Churn (Eq. 14): Jaccard distance between the historical positions retained at consecutive events,
-  over positions that were historical at the first of the two (the recent region excluded).
+- Future Missed Mass (Eq. 13): per head, future FullKV attention (next H queries) on positions a policy has made
+  inaccessible, over the attention on all positions that existed at the event; then averaged over heads.
+- Selection Churn (Eq. 14): Jaccard distance between the historical sets retained after consecutive events (full
+  and quantized windows, whatever their age; only the protected recent region is excluded, as the paper notes).
 - Tier mass μ(z) (Eq. 15): share of FullKV cumulative scores held by each tier.
-- QSA and R_Q (Eq. 16-17): agreement of the policy's own scores for its quantized windows with FullKV's.
+- QSA and R_Q (Eq. 16-17): agreement of the policy's own scores for its quantized windows with FullKV's, on the
+  cumulative scores and on the decode-interval mass alone (cumulative scores share the prompt's mass, which
+  makes QSA close to 1 whatever happens while decoding).
 - Global LIR (Eq. 18) and lagged transitions P_ab(Δ) (Eq. 19) of full-tier membership, for the policy and for the
-  oracle top-K_f of FullKV's ranking. An inactive episode starts when a window leaves the set.
+  oracle top-K_f of FullKV's ranking. Every maximal run of X = 0 is an inactive episode, also one that opens a
+  window's series (a window not selected yet).
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ import torch
 
 @dataclass
 class LayerTrace:
-    """FullKV attention of one layer, averaged over query heads: ``decode`` (T_dec, T) rows of the generated tokens,
-    ``prefill_mass`` (T,) column sums of the prompt rows (for cumulative reference scores)."""
+    """FullKV attention of one layer: ``heads`` (H, T_dec, T) rows of the generated tokens per query head and
+    ``prefill_mass`` (T,) column sums of the prompt rows averaged over heads (for cumulative reference scores)."""
 
-    decode: torch.Tensor
+    heads: torch.Tensor
     prefill_mass: torch.Tensor
+
+    @property
+    def decode(self) -> torch.Tensor:
+        """(T_dec, T) decode rows averaged over query heads."""
+        return self.heads.mean(dim=0)
 
 
 def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[LayerTrace]:
@@ -37,8 +46,9 @@ def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[La
     traces: dict[int, LayerTrace] = {}
 
     def keep(module, _inputs, output):
-        mean = output[1][0].float().mean(dim=0)  # (T, T), averaged over query heads
-        traces[module.layer_idx] = LayerTrace(decode=mean[prompt_len:].clone(), prefill_mass=mean[:prompt_len].sum(0))
+        probs = output[1][0].float()  # (H, T, T)
+        traces[module.layer_idx] = LayerTrace(heads=probs[:, prompt_len:].clone(),
+                                              prefill_mass=probs[:, :prompt_len].sum(1).mean(0))
         return output[0], None
 
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
@@ -56,12 +66,13 @@ def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[La
 
 
 def reference_scores(trace: LayerTrace, prompt_len: int, seen: int, sinks: int, omega: int,
-                     num_windows: int) -> torch.Tensor:
-    """Eq. 12 per window at the event where ``seen`` tokens exist: prompt rows plus decode rows up to it."""
-    mass = trace.prefill_mass.clone()
+                     num_windows: int, with_prefill: bool = True) -> torch.Tensor:
+    """Eq. 12 per window at the event where ``seen`` tokens exist: prompt rows (unless ``with_prefill`` is False)
+    plus decode rows up to it."""
+    mass = trace.prefill_mass.clone() if with_prefill else torch.zeros_like(trace.prefill_mass)
     decoded = seen - prompt_len
     if decoded > 0:
-        mass += trace.decode[:decoded].sum(0)
+        mass += trace.heads[:, :decoded].sum(1).mean(0)
     per_token = mass[sinks:seen]
     windows = torch.zeros(num_windows)
     ids = torch.arange(per_token.shape[0]) // omega
@@ -84,29 +95,34 @@ def accessible_positions(event: dict, sinks: int, omega: int, include_quantized:
 
 def future_missed_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
                        horizon: int = 32, include_quantized: bool = True) -> list[tuple[int, float]]:
-    """(decode step, FMM) per routing event; ``include_quantized=False`` treats the low-bit tier as gone."""
+    """(decode step, FMM averaged over heads) per routing event; ``include_quantized=False`` treats the low-bit
+    tier as gone. Heads whose future rows put no mass on existing positions have no FMM and are left out."""
     out = []
-    total_decoded = trace.decode.shape[0]
+    total_decoded = trace.heads.shape[1]
     for event in events:
         seen = event["seen"]
         first, last = seen - prompt_len, min(seen - prompt_len + horizon, total_decoded)
         if first >= last:
             continue
-        future = trace.decode[first:last, :seen]  # rows of queries after the event, keys that existed
+        future = trace.heads[:, first:last, :seen]  # (H, rows of queries after the event, keys that existed)
         kept = torch.zeros(seen, dtype=torch.bool)
         kept[list(accessible_positions(event, sinks, omega, include_quantized))] = True
-        denominator = future.sum().item()
-        if denominator > 0:
-            out.append((first, future[:, ~kept].sum().item() / denominator))
+        denominator = future.sum(dim=(1, 2))
+        valid = denominator > 0
+        if valid.any():
+            per_head = future[:, :, ~kept].sum(dim=(1, 2))[valid] / denominator[valid]
+            out.append((first, per_head.mean().item()))
     return out
 
 
 def selection_churn(events: list[dict], sinks: int, omega: int) -> list[float]:
+    """Eq. 14 per pair of consecutive events. Full and quantized windows are historical by construction (the
+    recent region is never routed), and every window holds Ω positions, so the Jaccard distance of the windows is
+    that of the expanded positions."""
     out = []
     for before, after in zip(events, events[1:]):
-        historical = _historical(before, sinks, omega)
-        kept_before = (set(before["full"]) | set(before["quantized"])) & set(range(historical))
-        kept_after = (set(after["full"]) | set(after["quantized"])) & set(range(historical))
+        kept_before = set(before["full"]) | set(before["quantized"])
+        kept_after = set(after["full"]) | set(after["quantized"])
         union = kept_before | kept_after
         if union:
             out.append(1 - len(kept_before & kept_after) / len(union))
@@ -136,17 +152,29 @@ def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int
     return {name: sum(v) / len(v) if v else 0.0 for name, v in shares.items()}
 
 
+def _score(event: dict, window: int) -> float | None:
+    scores = event["scores"]  # keys are ints in memory, strings after a JSON round trip
+    value = scores.get(window, scores.get(str(window)))
+    return None if value is None else float(value)
+
+
 def quantized_score_agreement(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
-                              num_windows: int) -> tuple[list[float], list[float]]:
+                              num_windows: int, decode_only: bool = False) -> tuple[list[float], list[float]]:
     """(QSA, R_Q) per event with a non-empty quantized tier: cosine and mass ratio of the policy's own scores of its
-    quantized windows against FullKV's cumulative scores of the same windows."""
+    quantized windows against FullKV's cumulative scores of the same windows. ``decode_only``: both sides without
+    the prompt's mass — the policy's score at the end-of-prefill event (``events[0]``, 0 for a window that did
+    not exist yet) is subtracted, and FullKV's prompt rows are left out."""
     qsa, ratio = [], []
-    for event in events:
-        windows = [w for w in event["quantized"] if str(w) in event["scores"] or w in event["scores"]]
+    prefill = events[0] if events and events[0]["seen"] == prompt_len else None
+    for event in events[1:] if decode_only else events:
+        windows = [w for w in event["quantized"] if _score(event, w) is not None]
         if not windows:
             continue
-        own = torch.tensor([float(event["scores"].get(w, event["scores"].get(str(w)))) for w in windows])
-        ref = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows)[windows]
+        own = torch.tensor([_score(event, w) for w in windows])
+        if decode_only:
+            own -= torch.tensor([(_score(prefill, w) or 0.0) if prefill else 0.0 for w in windows])
+        ref = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows,
+                               with_prefill=not decode_only)[windows]
         if own.norm() > 0 and ref.norm() > 0:
             qsa.append(torch.nn.functional.cosine_similarity(own, ref, dim=0).item())
             ratio.append(own.sum().item() / ref.sum().item())
@@ -176,14 +204,15 @@ def oracle_selection(trace: LayerTrace, events: list[dict], prompt_len: int, sin
 
 
 def global_lir(series: dict[int, list[int | None]], m: int = 3) -> tuple[float, float | None, int]:
-    """(LIR, median events to return, eligible episodes). An episode starts when a window leaves the set; it is
-    eligible after m inactive events and rescued if the window comes back before the end."""
+    """(LIR, median events to return, eligible episodes) by Eq. 18: every maximal run of X = 0 is an episode, also
+    one that opens the series; it is eligible once it lasts m events and rescued if the window comes back before
+    the end (an episode still open at the end stays in the denominator)."""
     eligible, returns = 0, []
     for states in series.values():
         states = [s for s in states if s is not None]
-        i = 1
+        i = 0
         while i < len(states):
-            if states[i - 1] == 1 and states[i] == 0:
+            if states[i] == 0:
                 j = i
                 while j < len(states) and states[j] == 0:
                     j += 1
@@ -223,10 +252,13 @@ def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]], p
         oracle = membership(decode, oracle_selection(trace, decode, prompt_len, sinks, omega, num_windows, k_full),
                             sinks, omega)
         qsa, r_q = quantized_score_agreement(trace, decode, prompt_len, sinks, omega, num_windows)
+        qsa_dec, r_q_dec = quantized_score_agreement(trace, decode, prompt_len, sinks, omega, num_windows,
+                                                     decode_only=True)
         per_layer.append({
             "fmm": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon),
             "fmm_fp": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon, include_quantized=False),
-            "churn": selection_churn(decode, sinks, omega), "qsa": qsa, "r_q": r_q,
+            "churn": selection_churn(decode, sinks, omega), "qsa": qsa, "r_q": r_q, "qsa_decode": qsa_dec,
+            "r_q_decode": r_q_dec,
             "tier_mass": tier_mass(trace, decode, prompt_len, sinks, omega, num_windows),
             "lir_policy": global_lir(policy, m), "lir_oracle": global_lir(oracle, m),
             "lagged": lagged_transitions(policy, max_lag)})
@@ -248,6 +280,8 @@ def aggregate(layers: list[dict]) -> dict:
                       for k in ("full", "quantized", "evicted", "local")},
         "qsa": avg([v for layer in layers for v in layer["qsa"]]),
         "r_q": avg([v for layer in layers for v in layer["r_q"]]),
+        "qsa_decode": avg([v for layer in layers for v in layer["qsa_decode"]]),
+        "r_q_decode": avg([v for layer in layers for v in layer["r_q_decode"]]),
         "lir_policy": _pooled_lir([layer["lir_policy"] for layer in layers]),
         "lir_oracle": _pooled_lir([layer["lir_oracle"] for layer in layers]),
         "lagged": {lag: {k: avg([layer["lagged"][lag][k] for layer in layers]) for k in ("P01", "P10")}

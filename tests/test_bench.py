@@ -106,6 +106,11 @@ def test_diagnostics_smoke(tmp_path):
     assert r3["k_quant"] > 0 and 0 <= r3["fmm"] <= 1 and r3["fmm_fp_only"] >= r3["fmm"]
     assert abs(sum(r3["tier_mass"].values()) - 1) < 1e-6 and r3["qsa"] is not None
     assert set(result["conditions"]["R1"]["lagged"]) == {str(d) for d in range(1, 9)}
+    assert r3["qsa_decode"] is not None and r3["r_q_decode"] is not None
+    # The ablation runs at R3's capacities; the tuned default is diagnosed next to the paper's preset.
+    nopromo = result["conditions"]["R3 no promotion"]
+    assert (nopromo["k_full"], nopromo["k_quant"]) == (r3["k_full"], r3["k_quant"])
+    assert result["conditions"]["R3 tuned"]["k_full"] == r3["k_full"]
     for name in ("fmm_curve.png", "fmm_curve.html", "tier_mass.png", "diagnostics_table.md"):
         assert (tmp_path / name).stat().st_size > 0
 

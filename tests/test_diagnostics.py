@@ -16,7 +16,7 @@ def trace_attending(target_positions, total=30, decode=12):
         rows[d, target_positions] = 0.5 / len(target_positions)
     prefill = torch.zeros(total)
     prefill[:PROMPT] = 1.0
-    return dg.LayerTrace(decode=rows, prefill_mass=prefill)
+    return dg.LayerTrace(heads=rows[None], prefill_mass=prefill)
 
 
 def event(seen, recent_start, full, quantized, scores=None):
@@ -37,10 +37,33 @@ def test_future_missed_mass_counts_attention_on_evicted_windows():
     assert dg.future_missed_mass(trace, [quantized_2], PROMPT, SINKS, OMEGA, horizon=4)[0][1] == 0.0
 
 
+def test_future_missed_mass_is_per_head_then_averaged():
+    """Eq. 13 is defined per layer and head (Appendix I.1): the mean of the heads' ratios, not the ratio of
+    head-averaged attention."""
+    decode, total = 6, 30
+    heads = torch.zeros(2, decode, total)
+    heads[0, :, 10] = 1.0  # head 0: everything on window 2
+    for d in range(decode):  # head 1: half on itself (did not exist at the event), 0.45 on window 0, 0.05 on 2
+        heads[1, d, PROMPT + d] = 0.5
+    heads[1, :, 3] = 0.45
+    heads[1, :, 10] = 0.05
+    trace = dg.LayerTrace(heads=heads, prefill_mass=torch.ones(total))
+    evicted_2 = event(PROMPT, 18, full=[0, 1], quantized=[3])
+    fmm = dg.future_missed_mass(trace, [evicted_2], PROMPT, SINKS, OMEGA, horizon=4)[0][1]
+    assert fmm == pytest.approx((1.0 + 0.05 / 0.5) / 2)  # 0.55; the head-averaged trace would give 1.05/1.5 = 0.7
+
+
+def test_churn_is_over_every_retained_historical_window():
+    # Window 4 leaves the recent region at the second event and is kept: Eq. 14 counts it (the old restriction
+    # to windows historical at the first event gave 0 here).
+    events = [event(22, 18, full=[0], quantized=[1]), event(26, 22, full=[0, 4], quantized=[1])]
+    assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 3)]
+
+
 def test_churn_tier_mass_and_score_agreement():
     trace = trace_attending([10, 11])
     events = [event(22, 18, full=[2], quantized=[0, 1]), event(26, 22, full=[2], quantized=[0, 3])]
-    assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 4)]  # {0,1,2} vs {0,2,3}∩{0..3}
+    assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 4)]  # {0,1,2} vs {0,2,3}
     mass = dg.tier_mass(trace, events[:1], PROMPT, SINKS, OMEGA, num_windows=7)
     # At 22 tokens: 18 prompt rows + 4 decode rows of mass 1. Window 2 holds 4 + 4*0.5, windows 0-1 hold 8,
     # the sinks and the recent region 2 + 4*0.5, the evicted window 3 holds 4.
@@ -51,10 +74,30 @@ def test_churn_tier_mass_and_score_agreement():
     assert qsa == [pytest.approx(1.0)] and r_q == [pytest.approx(2.0)]
 
 
+def test_quantized_score_agreement_on_the_decode_interval():
+    trace = trace_attending([10, 11])  # decode rows put 0.5 on window 2 (positions 10-11) and 0.5 on themselves
+    prefill = event(PROMPT, 18, full=[], quantized=[2, 3], scores={2: 5.0, 3: 7.0})
+    # Four decode rows later FullKV's decode-interval mass is 2.0 on window 2 and 0 on window 3; the policy's own
+    # scores grew by 1.0 on window 2 and 0.5 on window 3.
+    later = event(22, 18, full=[], quantized=[2, 3], scores={2: 6.0, 3: 7.5})
+    qsa, r_q = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, SINKS, OMEGA, 7, decode_only=True)
+    assert qsa == [pytest.approx(1.0 / (1.0 ** 2 + 0.5 ** 2) ** 0.5)]  # cos((1, 0.5), (2, 0))
+    assert r_q == [pytest.approx(1.5 / 2.0)]
+    # On cumulative scores the shared prompt mass (4 per window) dominates and hides the disagreement.
+    qsa_all, _ = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, SINKS, OMEGA, 7)
+    assert qsa_all[1] > 0.95 > qsa[0]
+
+
+def test_global_lir_counts_every_maximal_inactive_run():
+    # The issue's toy series: three runs of three zeros, the first two end with a return. Eq. 18: 2 / 3.
+    assert dg.global_lir({0: [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]}, m=3) == (2 / 3, 3, 3)
+
+
 def test_global_lir_and_lagged_transitions():
     series = {0: [1, 0, 0, 0, 1, 1], 1: [1, 0, 0, 0, 0, 0], 2: [1, 1, 0, 1, 1, 1], 3: [None, None, 0, 0, 0, 0]}
     lir, median_return, eligible = dg.global_lir(series, m=3)
-    # window 0 leaves and returns after 3 events (rescued), window 1 never returns, window 2's gap is too short.
-    assert (lir, median_return, eligible) == (0.5, 3, 2)
+    # window 0 returns after 3 inactive events (rescued); window 1 never returns; window 2's gap is too short;
+    # window 3 was never selected: its opening run of 4 zeros is an episode too, not rescued.
+    assert (lir, median_return, eligible) == (1 / 3, 3, 3)
     lagged = dg.lagged_transitions(series, max_lag=1)[1]
     assert lagged["P10"] == pytest.approx(3 / 7) and lagged["P01"] == pytest.approx(2 / 11)
