@@ -3,7 +3,9 @@
 transformers calls it once per layer per forward with the keys and values that ``cache.update`` returned. The
 cache attaches its layer to the module while in use (``module.qevict_layer``); the layer claims the call only if
 the keys are the very tensor it returned, so a model later used with another cache falls back to plain SDPA.
-No mask interface is registered, so ``attention_mask`` is None and causality is applied here, by position.
+Causality is applied here, by position. SDPA's mask function is registered under the same name only so that a
+padded batch reaches this function with its mask (transformers drops the mask of an attention implementation
+without one): the caches keep no per-row offsets, so a padded batch is refused instead of attending to padding.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTN_NAME = "qevict"
 
@@ -20,8 +23,21 @@ def qevict_attention(module, query, key, value, attention_mask, scaling=None, dr
     if layer is None or not layer.claim(key):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if attention_mask is not None:
+        refuse_padding(attention_mask)
     scaling = module.scaling if scaling is None else scaling
     return layer.attend(module, query, key, value, scaling, dropout), None
+
+
+def refuse_padding(attention_mask: torch.Tensor) -> None:
+    """The newest query of every row may see every earlier token; a column hidden from it is padding."""
+    last_row = attention_mask[:, :, -1, :]  # (B, 1, kv): bool from SDPA's mask function, additive floats otherwise
+    hidden = ~last_row if last_row.dtype == torch.bool else last_row < 0
+    if hidden.any():
+        rows = hidden.flatten(1).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"padded batches are not supported by the registry caches yet (rows {rows} have padding): "
+                         "their tiers and routing would treat padding tokens as context. Generate prompts of equal "
+                         "length together, or one prompt per call.")
 
 
 def sdpa_with_positions(module, query, key, value, scaling: float, dropout: float = 0.0) -> torch.Tensor:
@@ -45,5 +61,7 @@ def use_qevict_attention(model) -> None:
     """Register the function (idempotent) and select it on ``model``. Done when a cache is made, never at import."""
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, qevict_attention)
+    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)

@@ -70,3 +70,19 @@ def test_batch_size_mismatch_is_reported():
     cache = make_cache("qevict", model, QEvictConfig(budget=0.5), max_length=300)
     with pytest.raises(ValueError, match="batch size 1, got 2"):
         model(torch.zeros(2, 10, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("method", ["qevict", "fullkv", "snapkv", "kivi2"])
+def test_a_padded_batch_is_refused_not_attended_to(method):
+    """The caches keep no per-row offsets (issue 9, item 5): padding must not silently become context."""
+    model = tiny_model("llama", 2)
+    ids = random_prompt(200).repeat(2, 1)
+    padded = torch.ones_like(ids)
+    padded[1, :30] = 0
+    cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
+    with pytest.raises(ValueError, match=r"padded batches are not supported .*rows \[1\]"):
+        model.generate(ids, attention_mask=padded, cache=cache, max_new_tokens=3, do_sample=False)
+    # The same batch without padding runs, and both rows of identical prompts decode identically.
+    cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out[0], out[1])
