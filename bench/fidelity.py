@@ -35,18 +35,26 @@ def text_tokens(tokenizer, count: int, offset: int = 0) -> torch.Tensor:
     return ids
 
 
-def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]]) -> list[dict]:
+def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]],
+            curves: bool = False) -> list[dict]:
+    """One row per lane; ``curves`` adds each step's KL and top-1 agreement (``kl_steps``, ``top1_steps``)."""
     steps = tokens.shape[1] - prefill
     caches = [make_cache(m, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1]) for m, b in lanes]
     everyone = [make_cache("fullkv", model, None, max_length=tokens.shape[1])] + caches  # row 0: the reference
     forward_lanes(model, tokens[:, :prefill], everyone)
     kl, top1, nll = torch.zeros(len(everyone)), torch.zeros(len(everyone)), torch.zeros(len(everyone))
+    kl_steps, top1_steps = [], []
     for t in tqdm(range(prefill, tokens.shape[1]), desc="fidelity", unit="step", leave=False):
         feed = tokens[:, t:t + 1].expand(len(everyone), 1)  # the true next token for every lane
         logp = torch.log_softmax(forward_lanes(model, feed, everyone).float(), dim=-1).cpu()  # (lanes, vocab)
         ref = logp[0]
-        kl += (ref.exp() * (ref - logp)).sum(dim=-1)
-        top1 += (logp.argmax(dim=-1) == ref.argmax()).float()
+        step_kl = (ref.exp() * (ref - logp)).sum(dim=-1)
+        step_top1 = (logp.argmax(dim=-1) == ref.argmax()).float()
+        kl += step_kl
+        top1 += step_top1
+        if curves:
+            kl_steps.append(step_kl)
+            top1_steps.append(step_top1)
         if t + 1 < tokens.shape[1]:
             nll -= logp[:, tokens[0, t + 1]]
     scored = steps - 1
@@ -57,6 +65,8 @@ def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, fl
                      "kl": kl[i].item() / steps, "top1": top1[i].item() / steps,
                      "ppl": math.exp(nll[i].item() / scored), "ppl_fullkv": math.exp(nll[0].item() / scored),
                      "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"]})
+        if curves:
+            rows[-1].update(kl_steps=[float(v[i]) for v in kl_steps], top1_steps=[float(v[i]) for v in top1_steps])
     return rows
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import diagnostics, fidelity, ruler, speed
+from bench import diagnostics, drift, fidelity, ruler, speed
 from bench.common import parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
 from qevict_core.testing import tiny_tokenizer
@@ -96,6 +96,30 @@ def test_fidelity_smoke(tmp_path):
     assert by["fullkv"]["kl"] == pytest.approx(0, abs=1e-6) and by["fullkv"]["top1"] == 1.0
     assert by["qevict"]["kl"] > 0 and 0 <= by["qevict"]["top1"] <= 1 and by["qevict"]["ppl"] > 1
     assert (tmp_path / "fidelity_pareto.png").exists() and (tmp_path / "fidelity_table.md").exists()
+
+
+def test_drift_bins_per_passage_and_resumes(tmp_path):
+    args = ["--model", "tiny", "--methods", "fullkv,streamingllm,qevict", "--budgets", "0.25", "--prefill", "300",
+            "--steps", "64", "--passages", "2", "--bin", "16", "--out", str(tmp_path)]
+    drift.main(args)
+    rows = read_jsonl([tmp_path / "drift.jsonl"])
+    assert sorted({r["passage"] for r in rows}) == [0, 1] and len(rows) == 6
+    by = {(r["method"], r["passage"]): r for r in rows}
+    full = by[("fullkv", 0)]
+    assert len(full["kl_bins"]) == 4 and max(full["kl_bins"]) == pytest.approx(0, abs=1e-6)
+    assert full["top1_bins"] == [1.0] * 4 and full["kl_slope_per_1k"] == pytest.approx(0, abs=1e-5)
+    assert all(v > 0 for v in by[("streamingllm", 0)]["kl_bins"])
+    table = (tmp_path / "drift_table.md").read_text()
+    assert "streamingllm @25%" in table and "KL 48–64" in table and (tmp_path / "drift.png").stat().st_size > 0
+    drift.main(args)  # both passages are in the file: nothing runs again
+    assert len(read_jsonl([tmp_path / "drift.jsonl"])) == 6
+
+
+def test_drift_slope_and_growth_follow_their_definitions():
+    row = drift.summarise({"kl_steps": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], "top1_steps": [1.0] * 8}, 4)
+    assert row["kl_bins"] == pytest.approx([0.25, 0.65]) and row["top1_bins"] == [1.0, 1.0]
+    assert row["kl_slope_per_1k"] == pytest.approx(100.0)  # 0.1 per position
+    assert row["kl_growth"] == pytest.approx(0.75 / 0.15)
 
 
 def test_diagnostics_smoke(tmp_path):
