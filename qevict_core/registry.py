@@ -16,6 +16,7 @@ from .config import QEvictConfig
 from .eviction import EvictionCache
 from .fullkv import FullKVCache
 from .kivi import KIVICache
+from .kvquant import KVQuantCache
 from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
 from .scorers import make_scorer
 
@@ -56,6 +57,12 @@ def _kivi(bits: int) -> Callable[..., ReportingCache]:
     return build
 
 
+def _kvquant(bits: int) -> Callable[..., ReportingCache]:
+    def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        return KVQuantCache(model, config, max_length, batch_size, bits=bits)
+    return build
+
+
 def _policy_spec(name: str, make_policy: Callable[[QEvictConfig], Policy], cls: type[Policy]) -> MethodSpec:
     return MethodSpec(_evict(name, make_policy), cls.description, cls.reference, "eviction")
 
@@ -87,6 +94,12 @@ METHODS: dict[str, MethodSpec] = {
                         "a 32-token fp residual.", "Liu et al. 2024; jy-yuan/KIVI (G=32, R=32)", "quantization"),
     "kivi4": MethodSpec(_kivi(4), "KIVI-4: as KIVI-2 with 4-bit codes.", "Liu et al. 2024; jy-yuan/KIVI",
                         "quantization"),
+    "kvquant2": MethodSpec(_kvquant(2), "KVQuant-2b (s1%): pre-RoPE per-channel keys, per-token values, 2-bit "
+                           "non-uniform levels, 1% sparse outliers kept exactly, the first token in full precision.",
+                           "Hooper et al. 2024; SqueezeAILab/KVQuant (levels and key thresholds calibrated on the "
+                           "prompt)", "quantization"),
+    "kvquant4": MethodSpec(_kvquant(4), "KVQuant-4b (s1%): as KVQuant-2b with 4-bit non-uniform levels.",
+                           "Hooper et al. 2024; SqueezeAILab/KVQuant", "quantization"),
 }
 
 

@@ -17,7 +17,7 @@ def resident_tensors(layer) -> list[torch.Tensor]:
     for name, value in vars(layer).items():
         if name in ("owner", "_returned_keys"):
             continue
-        for item in value if isinstance(value, list) else [value]:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, torch.Tensor):
                 found.append(item)
             elif isinstance(item, WindowLedger):
