@@ -17,6 +17,7 @@ from .eviction import EvictionCache
 from .fullkv import FullKVCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
+from .zipcache import ZipCacheCache
 from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
 from .scorers import make_scorer
 
@@ -100,6 +101,10 @@ METHODS: dict[str, MethodSpec] = {
                            "prompt)", "quantization"),
     "kvquant4": MethodSpec(_kvquant(4), "KVQuant-4b (s1%): as KVQuant-2b with 4-bit non-uniform levels.",
                            "Hooper et al. 2024; SqueezeAILab/KVQuant", "quantization"),
+    "zipcache": MethodSpec(ZipCacheCache, "ZipCache: every token kept; per head, the 40% with the highest "
+                           "normalised attention in 4 bits, the rest in 2 bits; decoded tokens compressed 100 at a time.",
+                           "He et al. 2024; ThisisBillhe/ZipCache (exact saliency instead of probe tokens)",
+                           "quantization"),
 }
 
 

@@ -20,7 +20,7 @@ def resident_tensors(layer) -> list[torch.Tensor]:
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, torch.Tensor):
                 found.append(item)
-            elif isinstance(item, WindowLedger):
+            elif isinstance(item, WindowLedger) or type(item).__module__.startswith("qevict_core"):
                 found.extend(v for v in vars(item).values() if isinstance(v, torch.Tensor))
     return found
 
