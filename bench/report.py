@@ -32,7 +32,7 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
     columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (c[1], c[0]))
     lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
     lengths = sorted({n for _, n in columns})
-    header = (["method", "KV ratio (measured)"] + [f"{t} {n // 1024}K" for t, n in columns]
+    header = (["method", "KV ratio (measured)", "K_f / K_q"] + [f"{t} {n // 1024}K" for t, n in columns]
               + [f"avg {n // 1024}K (samples)" for n in lengths] + ["errors"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     points = []
@@ -52,7 +52,7 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
         ratio = mean(ratios) if ratios else float("nan")
         valid = [a for a in averages if a is not None]
         points.append((method, budget, ratio, mean(valid) if valid else None))
-        lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}"]
+        lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}", capacities(cells, method, budget)]
                                        + [f"{s:.1f}" if s is not None else "—" for s in scores]
                                        + [f"{a:.1f} ({len(s)})" if a is not None else "—"
                                           for a, s in zip(averages, per_length)] + [str(errors)]) + " |")
@@ -60,10 +60,23 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
     table = out / "ruler_table.md"
     table.write_text("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
                      "the end of generation; avg: mean over every sample of that length (sample count in brackets); "
-                     "errors: samples whose generation raised, left out of every score.\n\n"
+                     "errors: samples whose generation raised, left out of every score; K_f / K_q: tier capacities per layer "
+                     "(QEvict family, rows that recorded them).\n\n"
                      + "\n".join(lines) + "\n")
     pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
     return table
+
+
+def capacities(cells: dict, method: str, budget) -> str:
+    """QEvict-family rows: the tier capacities (windows per layer) their plans gave, a range over prompt lengths."""
+    rows = [r for (m, b, *_), group in cells.items() if (m, b) == (method, budget) for r in group
+            if r.get("k_full") is not None]
+    if not rows:
+        return "—"
+    def span(key):
+        low, high = min(r[key] for r in rows), max(r[key] for r in rows)
+        return str(low) if low == high else f"{low}–{high}"
+    return f"{span('k_full')} / {span('k_quant')}"
 
 
 def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:

@@ -105,7 +105,7 @@ def run(args) -> None:
             if event.kind == "token" and string_match_all(lane.text, sample.answers) == 1.0:
                 lane.done = "answered"
         for method, budget, lane in runs:
-            memory = lane.cache.memory_report()
+            memory, summary = lane.cache.memory_report(), lane.cache.summary()
             stop = lane.done or "length"
             failed = stop.startswith("error")
             append_jsonl(path, {
@@ -116,7 +116,8 @@ def run(args) -> None:
                 "answers": list(sample.answers),
                 "prediction": lane.text[:400], "prompt_tokens": ids.shape[1], "new_tokens": len(lane.tokens),
                 "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"],
-                "total_bytes": memory["total_bytes"], "prefill_s_shared": lane.prefill_seconds,
+                "total_bytes": memory["total_bytes"], "k_full": summary.get("k_full"),
+                "k_quant": summary.get("k_quant"), "prefill_s_shared": lane.prefill_seconds,
                 "decode_s": lane.decode_seconds, "depth": args.depth, "haystack": args.haystack, **meta,
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
 

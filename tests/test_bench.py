@@ -67,6 +67,10 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     fullkv_row = next(line for line in table.splitlines() if line.startswith("| fullkv "))
     assert fullkv_row.rstrip(" |").endswith("(4) | 0")  # 1K average over 2 tasks x 2 samples; no errors
     assert all(r["stop"] in ("eos", "length", "answered") and r["error"] is None for r in rows)
+    qevict_row = next(line for line in table.splitlines() if line.startswith("| qevict @30% "))
+    plan = next(r for r in rows if r["method"] == "qevict")
+    assert qevict_row.split(" | ")[2].startswith(str(plan["k_full"]))  # the plan's capacities are printed
+    assert fullkv_row.split(" | ")[2] == "—"
 
 
 def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
