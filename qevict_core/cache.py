@@ -106,34 +106,35 @@ class QEvictLayer(ReportingLayer):
             return sdpa_with_positions(module, query, key, value, scaling, dropout)
         scored = self.owner.scorer.needs_attention
         query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
+        key_pos = self.attended_positions() if scored else None
         window = self.owner.config.prefill_window
         if self.owner.kernels and self.owner.step > 0:  # the prompt has no quantized tier yet: SDPA
             merged, lse = fast_path.attend(self, query, key, value, scaling)
             out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
             if scored:  # from the LSEs just computed, the quantized tier read in place
-                self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1])
+                self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1], key_pos)
             if self.owner.schedule.routing_now and self.quant.num_windows:  # moves need it dequantized
                 q_keys, q_values = self._dequantized()
                 key, value = torch.cat([q_keys, key], dim=2), torch.cat([q_values, value], dim=2)
         elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
             # A decode step: one attention pass gives the output and every key's mass.
-            out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
-            self._fold(mass, query.shape[1])
+            out, mass = attend_with_mass(query, query_pos, key, key_pos, value, scaling)
+            self._fold(mass, query.shape[1], key_pos)
         else:
             out = sdpa_with_positions(module, query, key, value, scaling, dropout)
             if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
                 if window and query.shape[2] > window:
                     query, query_pos = query[:, :, -window:], query_pos[-window:]
-                self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
+                self._fold(kv_head_mass(query, query_pos, key, key_pos, scaling), query.shape[1], key_pos)
         if self.owner.schedule.routing_now:
             self._route(key, value)
             self.owner.note_bytes(self.layer_idx)
         return out
 
-    def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
-        """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
-        the score table; Eq. 1 averages over the ``q_heads`` query heads."""
-        key_window = window_of_position(self.attended_positions(), *self._grid)
+    def _fold(self, kv_mass: torch.Tensor, q_heads: int, key_pos: torch.Tensor) -> None:
+        """Per-key mass (B, Hkv, N) of this step's queries on keys at ``key_pos`` (B, N), laid out [quantized |
+        sinks | full | recent], into the score table; Eq. 1 averages over the ``q_heads`` query heads."""
+        key_window = window_of_position(key_pos, *self._grid)
         mass = window_mass(kv_mass.sum(dim=1) / q_heads, key_window, self.owner.plan.num_windows)
         self.owner.scorer.fold(self.scores, self.interval, mass)
 
