@@ -15,10 +15,8 @@ QEvict's divergence grows more slowly than the baselines'. Passages already in t
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean
 
 import matplotlib
 
@@ -28,10 +26,7 @@ import torch  # noqa: E402
 
 from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup  # noqa: E402
 from .fidelity import measure, text_tokens  # noqa: E402
-from .report import COLORS, label  # noqa: E402
-
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, two-sided
-
+from .report import COLORS, interval, label  # noqa: E402
 
 def binned(values: list[float], width: int) -> list[float]:
     return [mean(values[i:i + width]) for i in range(0, len(values), width)]
@@ -53,13 +48,6 @@ def summarise(row: dict, width: int) -> dict:
     first, last = mean(kl[:quarter]), mean(kl[-quarter:])
     return {**row, "bin": width, "kl_bins": binned(kl, width), "top1_bins": binned(top1, width),
             "kl_growth": last / first if first > 0 else None, "kl_slope_per_1k": slope_per_1k(kl)}
-
-
-def interval(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f}" if values else "—"
-    half = T95.get(len(values) - 1, 1.96) * stdev(values) / math.sqrt(len(values))
-    return f"{mean(values):.3f} ± {half:.3f}"
 
 
 def report(rows: list[dict], out: Path) -> Path:

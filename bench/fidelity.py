@@ -1,10 +1,10 @@
 """Fidelity to the full cache, teacher-forced: how far each method's next-token distribution drifts from FullKV's.
 
     python -m bench.fidelity --methods fullkv,streamingllm,snapkv,h2o,adakv,defensivekv,kivi2,qevict \\
-        --budgets 0.05,0.1,0.2 --prefill 2048 --steps 256 --out bench/results/fidelity
+        --budgets 0.05,0.1,0.2 --prefill 2048 --steps 256 --passages 5 --out bench/results/fidelity
 
-A natural text (Austen) is prefilled, then its next ``steps`` tokens are fed one at a time through every cache.
-At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
+Each passage of a natural text (Austen, ``--spacing`` sentences apart) is prefilled, then its next ``steps`` tokens
+are fed one at a time through every cache. At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
 log-probability of the true next token (perplexity). Continuous and sensitive at every budget. All lanes run as
 rows of one batched forward (qevict_core.shared_prefill), each row attending only to its own cache.
 """
@@ -12,7 +12,6 @@ rows of one batched forward (qevict_core.shared_prefill), each row attending onl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
-from .common import RESULTS, add_model_args, method_lanes, setup
+from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup
 from .ruler_tasks import essay_sentences
 
 
@@ -77,22 +76,30 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default="0.05,0.1,0.2")
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=256)
-    parser.add_argument("--offset", type=int, default=0, help="first sentence of the text")
+    parser.add_argument("--offset", type=int, default=0, help="first sentence of the first passage")
+    parser.add_argument("--passages", type=int, default=5, help="passages of the text, each its own run")
+    parser.add_argument("--spacing", type=int, default=700, help="sentences between the starts of two passages")
     parser.add_argument("--out", default=str(RESULTS / "fidelity"))
     add_model_args(parser)
     args = parser.parse_args(argv)
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     lanes = method_lanes([m.strip() for m in args.methods.split(",")], [float(b) for b in args.budgets.split(",")])
-    if args.model == "tiny":
-        tokens = torch.randint(0, 256, (1, args.prefill + args.steps), generator=torch.Generator().manual_seed(0))
-    else:
-        tokens = text_tokens(tokenizer, args.prefill + args.steps, args.offset)
-    rows = [{**row, **meta} for row in measure(model, tokens.to(next(model.parameters()).device), args.prefill, lanes)]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {report.fidelity_report(rows, out)}")
-
+    path = out / "fidelity.jsonl"
+    done = {r.get("passage", 0) for r in read_jsonl([path])} if path.exists() else set()
+    device = next(model.parameters()).device
+    for passage in range(args.passages):  # resumable: a passage already in the file is not run again
+        if passage in done:
+            continue
+        offset = args.offset + passage * args.spacing
+        if args.model == "tiny":
+            tokens = torch.randint(0, 256, (1, args.prefill + args.steps),
+                                   generator=torch.Generator().manual_seed(passage))
+        else:
+            tokens = text_tokens(tokenizer, args.prefill + args.steps, offset)
+        for row in measure(model, tokens.to(device), args.prefill, lanes):
+            append_jsonl(path, {**row, "passage": passage, "offset": offset, **meta})
+    print(f"wrote {report.fidelity_report(read_jsonl([path]), out)}")
 
 if __name__ == "__main__":
     main()

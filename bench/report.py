@@ -4,9 +4,10 @@ the tier-mass chart. ``python -m bench.report`` re-renders everything under benc
 from __future__ import annotations
 
 import argparse
+import math
 from collections import defaultdict
 from pathlib import Path
-from statistics import mean
+from statistics import mean, stdev
 
 import matplotlib
 
@@ -19,6 +20,17 @@ from .common import RESULTS, read_jsonl  # noqa: E402
 COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
           "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",
           "kivi2": "#ca8a04", "kivi4": "#a16207", "qevict_nopromo": "#65a30d", "r1": "#f97316", "r2": "#fb923c"}
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, two-sided
+
+
+def interval(values: list[float], digits: int = 3) -> str:
+    """mean ± half-width of the 95% t-interval over independent runs (passages); the mean alone for one run."""
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}" if values else "—"
+    half = T95.get(len(values) - 1, 1.96) * stdev(values) / math.sqrt(len(values))
+    return f"{mean(values):.{digits}f} ± {half:.{digits}f}"
 
 
 def label(method: str, budget) -> str:
@@ -109,17 +121,25 @@ def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
 
 
 def fidelity_report(rows: list[dict], out: Path) -> Path:
-    header = ["method", "KV ratio", "mean KL(FullKV‖method)", "top-1 agreement", "perplexity", "FullKV perplexity"]
+    """Means over passages with 95% t-intervals (rows without a passage index count as one passage)."""
+    header = ["method", "KV ratio", "passages", "mean KL(FullKV‖method)", "top-1 agreement", "perplexity",
+              "FullKV perplexity"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ordered = sorted(rows, key=lambda r: (r["budget"] or 2, r["method"]))
-    for r in ordered:
-        lines.append(f"| {label(r['method'], r['budget'])} | {r['kv_ratio']:.3f} | {r['kl']:.4f} | "
-                     f"{r['top1']:.3f} | {r['ppl']:.2f} | {r['ppl_fullkv']:.2f} |")
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["method"], r["budget"])].append(r)
+    points = []
+    for (method, budget), group in sorted(groups.items(), key=lambda g: (g[0][1] or 2, g[0][0])):
+        ratio, top1 = mean(r["kv_ratio"] for r in group), mean(r["top1"] for r in group)
+        lines.append(f"| {label(method, budget)} | {ratio:.3f} | {len(group)} | "
+                     f"{interval([r['kl'] for r in group], 4)} | {interval([r['top1'] for r in group])} | "
+                     f"{interval([r['ppl'] for r in group], 2)} | {mean(r['ppl_fullkv'] for r in group):.2f} |")
+        points.append((method, budget, ratio, top1))
     out.mkdir(parents=True, exist_ok=True)
     table = out / "fidelity_table.md"
-    table.write_text("\n".join(lines) + "\n")
-    pareto([(r["method"], r["budget"], r["kv_ratio"], r["top1"]) for r in rows],
-           "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement", out / "fidelity_pareto")
+    table.write_text("Mean over passages ± half-width of the 95% t-interval.\n\n" + "\n".join(lines) + "\n")
+    pareto(points, "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement",
+           out / "fidelity_pareto")
     return table
 
 

@@ -69,7 +69,6 @@ def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.T
     (B, Hkv, N) float32 summed over each group's query heads and the queries.
     """
     b, hq, q, d = query.shape
-    hkv = keys.shape[1]
     probs = attention_probs(query, query_pos, keys, key_pos, scaling)  # (B, Hkv, G, q, N)
     out = torch.matmul(probs.flatten(2, 3), values.float())  # (B, Hkv, G*q, D)
     out = out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)  # (B, q, Hq, D): head h reads KV head h // G

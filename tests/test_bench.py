@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from bench import diagnostics, drift, fidelity, ruler, speed
 from bench.common import parse_shard, read_jsonl
@@ -94,12 +93,24 @@ def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
 
 def test_fidelity_smoke(tmp_path):
     fidelity.main(["--model", "tiny", "--methods", "fullkv,qevict,kivi2", "--budgets", "0.3", "--prefill", "400",
-                   "--steps", "12", "--out", str(tmp_path)])
+                   "--steps", "12", "--passages", "2", "--out", str(tmp_path)])
     rows = read_jsonl([tmp_path / "fidelity.jsonl"])
-    by = {r["method"]: r for r in rows}
+    assert sorted(r["passage"] for r in rows) == [0, 0, 0, 1, 1, 1]
+    by = {r["method"]: r for r in rows if r["passage"] == 0}
     assert by["fullkv"]["kl"] == pytest.approx(0, abs=1e-6) and by["fullkv"]["top1"] == 1.0
     assert by["qevict"]["kl"] > 0 and 0 <= by["qevict"]["top1"] <= 1 and by["qevict"]["ppl"] > 1
     assert (tmp_path / "fidelity_pareto.png").exists() and (tmp_path / "fidelity_table.md").exists()
+    qevict = [r["kl"] for r in rows if r["method"] == "qevict"]
+    row = next(line for line in (tmp_path / "fidelity_table.md").read_text().splitlines() if "qevict @30%" in line)
+    assert f"{sum(qevict) / 2:.4f} ± " in row and " | 2 | " in row  # the mean over 2 passages and its interval
+
+
+def test_t_interval_follows_its_definition():
+    from bench.report import interval
+
+    # mean 2, sample sd 1, n = 3: half-width t(0.975, 2) * 1 / sqrt(3) = 4.30 / 1.732 = 2.483
+    assert interval([1.0, 2.0, 3.0]) == "2.000 ± 2.483"
+    assert interval([0.5]) == "0.500" and interval([]) == "—"
 
 
 def test_drift_bins_per_passage_and_resumes(tmp_path):

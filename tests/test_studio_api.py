@@ -3,7 +3,6 @@ gets its own session."""
 
 import socket
 
-import pytest
 
 from tests.conftest import tiny_chat_model, tiny_tokenizer
 
