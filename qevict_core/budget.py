@@ -121,7 +121,8 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
     keeps_dormant = cfg.promotion and cfg.q_frac > 0
     m_f = m_full + (m_dormant if keeps_dormant else 0)
     if cfg.k_full is not None:
-        return _fixed_capacities(shape, cfg, max_length, budget, num_windows, fixed, m_f, m_quant, keeps_dormant)
+        return _fixed_capacities(shape, cfg, max_length, budget, num_windows, fixed, m_full, m_dormant, m_quant,
+                                 keeps_dormant)
     k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
     k_quant = math.floor(cfg.q_frac * hist / m_quant)
     if k_full + k_quant > num_windows:
@@ -136,12 +137,13 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
 
 
 def _fixed_capacities(shape: KVShape, cfg: QEvictConfig, max_length: int, budget: int, num_windows: int, fixed: int,
-                      m_f: int, m_quant: int, keeps_dormant: bool) -> TierPlan:
+                      m_full: int, m_dormant: int, m_quant: int, keeps_dormant: bool) -> TierPlan:
     """The plan for capacities given in the config, if the budget holds them; otherwise an error itemising what
     one layer needs against what it gets."""
-    k_full, k_quant = min(cfg.k_full, num_windows), min(cfg.k_quant, num_windows - min(cfg.k_full, num_windows))
-    keeps_dormant = keeps_dormant and k_quant > 0
-    m_f = m_f if keeps_dormant else cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
+    k_full = min(cfg.k_full, num_windows)
+    k_quant = min(cfg.k_quant, num_windows - k_full)
+    keeps_dormant = keeps_dormant and k_quant > 0  # nothing can be promoted without a quantized tier
+    m_f = m_full + (m_dormant if keeps_dormant else 0)
     per_layer = budget // shape.num_layers
     needed = fixed + k_full * m_f + k_quant * m_quant
     if needed > per_layer:
