@@ -81,7 +81,7 @@ def report(rows: list[dict], out: Path) -> Path:
             if b not in (budget, None):
                 continue
             group = [r for r in rows if (r["method"], r["budget"]) == (method, b)]
-            style = {"color": COLORS.get(method), "label": label(method, b), "linewidth": 2.2 if "qevict" in method else 1.2}
+            style = {"color": COLORS.get(method), "label": method, "linewidth": 2.2 if "qevict" in method else 1.2}
             axes[0][col].plot(centres, [mean(r["kl_bins"][i] for r in group) for i in range(bins)], **style)
             axes[1][col].plot(centres, [mean(r["top1_bins"][i] for r in group) for i in range(bins)], **style)
         axes[0][col].set_title(f"budget {budget:.0%}")
@@ -90,7 +90,7 @@ def report(rows: list[dict], out: Path) -> Path:
     axes[1][0].set_ylabel("top-1 agreement")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7)  # one colour per method in every panel
     fig.tight_layout()
     fig.savefig(out / "drift.png", dpi=120)
     plt.close(fig)
