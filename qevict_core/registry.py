@@ -17,9 +17,9 @@ from .eviction import EvictionCache
 from .fullkv import FullKVCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
-from .zipcache import ZipCacheCache
 from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
 from .scorers import make_scorer
+from .zipcache import ZipCacheCache
 
 
 @dataclass(frozen=True)
