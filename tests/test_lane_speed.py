@@ -2,6 +2,7 @@
 shared forward, so a slow method shows as slow next to a fast one."""
 
 import time
+from statistics import median
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.generate import lane_seconds
@@ -20,8 +21,8 @@ def test_a_lane_that_does_more_work_reports_a_longer_time(monkeypatch):
     lanes = [Lane(m, make_cache(m, model, QEvictConfig(budget=0.3), max_length=300 + 16)) for m in ("fullkv", "h2o")]
     slow = lanes[1].cache.layers[0].attend
 
-    def slower(*args, **kwargs):  # stands in for a method whose attention costs 5 ms more per layer
-        time.sleep(0.005)
+    def slower(*args, **kwargs):  # stands in for a method whose attention costs 20 ms more per layer
+        time.sleep(0.02)
         return slow(*args, **kwargs)
 
     monkeypatch.setattr(lanes[1].cache.layers[0], "attend", slower)
@@ -29,6 +30,8 @@ def test_a_lane_that_does_more_work_reports_a_longer_time(monkeypatch):
     alone = {name: [e.alone_seconds for e in events if e.kind == "token" and e.lane == name and e.step > 0]
              for name in ("fullkv", "h2o")}
     shared = [e.seconds for e in events if e.kind == "token" and e.lane == "fullkv" and e.step > 0]
-    for fast, slow_, forward in zip(alone["fullkv"], alone["h2o"], shared):
-        assert slow_ - fast > 0.004  # the sleep shows in the slow lane only
-        assert fast < forward and slow_ <= forward
+    # Medians over the 15 decode steps: a busy machine can stall any single step of either lane.
+    fast, slow_, forward = (median(v) for v in (alone["fullkv"], alone["h2o"], shared))
+    assert slow_ - fast > 0.015  # the sleep shows in the slow lane only
+    assert fast < forward and slow_ <= forward
+    assert all(s <= f for s, f in zip(alone["h2o"], shared))  # a lane's own time never exceeds the forward
