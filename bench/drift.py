@@ -22,10 +22,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
 
 from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup  # noqa: E402
-from .fidelity import measure, text_tokens  # noqa: E402
+from .fidelity import measure, passage_tokens  # noqa: E402
 from .report import COLORS, interval, label  # noqa: E402
 
 def binned(values: list[float], width: int) -> list[float]:
@@ -105,6 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=1024)
     parser.add_argument("--passages", type=int, default=3)
+    parser.add_argument("--offset", type=int, default=0, help="first sentence of the first passage")
     parser.add_argument("--spacing", type=int, default=700, help="sentences between the starts of two passages")
     parser.add_argument("--bin", type=int, default=128, help="decode positions per bin")
     parser.add_argument("--out", default=str(RESULTS / "drift"))
@@ -117,19 +117,16 @@ def main(argv=None) -> None:
                          [float(b) for b in args.budgets.split(",")])
     out = Path(args.out)
     path = out / "drift.jsonl"
-    done = {r["passage"] for r in read_jsonl([path])} if path.exists() else set()
+    # Resumable: a passage (by its offset) already in the file is not run again.
+    done = {r["offset"] for r in read_jsonl([path])} if path.exists() else set()
+    offsets = [args.offset + i * args.spacing for i in range(args.passages)]
+    todo = passage_tokens(tokenizer, args.prefill + args.steps, [o for o in offsets if o not in done],
+                          args.model == "tiny")
     device = next(model.parameters()).device
-    for passage in range(args.passages):
-        if passage in done:
-            continue
-        offset = passage * args.spacing
-        if args.model == "tiny":
-            tokens = torch.randint(0, 256, (1, args.prefill + args.steps),
-                                   generator=torch.Generator().manual_seed(passage))
-        else:
-            tokens = text_tokens(tokenizer, args.prefill + args.steps, offset)
+    for offset, tokens in todo.items():
         for row in measure(model, tokens.to(device), args.prefill, lanes, curves=True):
-            append_jsonl(path, {**summarise(row, args.bin), "passage": passage, "offset": offset, **meta})
+            append_jsonl(path, {**summarise(row, args.bin), "passage": offsets.index(offset), "offset": offset,
+                                **meta})
     print(f"wrote {report(read_jsonl([path]), out)}")
 
 

@@ -30,8 +30,17 @@ def text_tokens(tokenizer, count: int, offset: int = 0) -> torch.Tensor:
     sentences = essay_sentences("austen")
     ids = tokenizer(" ".join(sentences[offset:]), return_tensors="pt").input_ids[:, :count]
     if ids.shape[1] < count:
-        raise ValueError(f"the text has only {ids.shape[1]} tokens, {count} needed")
+        raise ValueError(f"the text from sentence {offset} has only {ids.shape[1]} tokens, {count} needed "
+                         f"(it has {len(sentences)} sentences: lower --offset, --spacing or --passages)")
     return ids
+
+
+def passage_tokens(tokenizer, count: int, offsets: list[int], tiny: bool) -> dict[int, torch.Tensor]:
+    """The first ``count`` tokens of the passage at each sentence offset, all checked before any run starts; the
+    tiny test model gets seeded random tokens instead."""
+    if tiny:
+        return {o: torch.randint(0, 256, (1, count), generator=torch.Generator().manual_seed(o)) for o in offsets}
+    return {o: text_tokens(tokenizer, count, o) for o in offsets}
 
 
 def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]],
@@ -86,19 +95,15 @@ def main(argv=None) -> None:
     lanes = method_lanes([m.strip() for m in args.methods.split(",")], [float(b) for b in args.budgets.split(",")])
     out = Path(args.out)
     path = out / "fidelity.jsonl"
-    done = {r.get("passage", 0) for r in read_jsonl([path])} if path.exists() else set()
+    # Resumable: a passage (by its offset) already in the file is not run again.
+    done = {r.get("offset", 0) for r in read_jsonl([path])} if path.exists() else set()
+    offsets = [args.offset + i * args.spacing for i in range(args.passages)]
+    todo = passage_tokens(tokenizer, args.prefill + args.steps, [o for o in offsets if o not in done],
+                          args.model == "tiny")
     device = next(model.parameters()).device
-    for passage in range(args.passages):  # resumable: a passage already in the file is not run again
-        if passage in done:
-            continue
-        offset = args.offset + passage * args.spacing
-        if args.model == "tiny":
-            tokens = torch.randint(0, 256, (1, args.prefill + args.steps),
-                                   generator=torch.Generator().manual_seed(passage))
-        else:
-            tokens = text_tokens(tokenizer, args.prefill + args.steps, offset)
+    for offset, tokens in todo.items():
         for row in measure(model, tokens.to(device), args.prefill, lanes):
-            append_jsonl(path, {**row, "passage": passage, "offset": offset, **meta})
+            append_jsonl(path, {**row, "passage": offsets.index(offset), "offset": offset, **meta})
     print(f"wrote {report.fidelity_report(read_jsonl([path]), out)}")
 
 if __name__ == "__main__":

@@ -175,3 +175,10 @@ def test_kernel_microbenchmark_smoke(tmp_path):
     assert {r["impl"] for r in rows} == {"kernel", "dequant+sdpa", "sdpa_fp"}
     by = {r["impl"]: r for r in rows}
     assert by["kernel"]["bytes"] < by["sdpa_fp"]["bytes"] / 3  # INT2 codes + scales vs fp32 keys and values
+
+
+def test_a_passage_past_the_end_of_the_text_is_refused_before_anything_runs(smollm2):
+    _, tokenizer = smollm2
+    with pytest.raises(ValueError, match=r"from sentence 2800 has only 0 tokens, 100 needed .*lower --offset"):
+        fidelity.passage_tokens(tokenizer, 100, [0, 2800], tiny=False)
+    assert fidelity.passage_tokens(tokenizer, 100, [0, 700], tiny=False)[700].shape == (1, 100)
