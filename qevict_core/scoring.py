@@ -75,12 +75,6 @@ def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.T
     return out, probs.sum(dim=(2, 3))
 
 
-def key_attention_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
-    """Eq. 1's inner sum: attention over queries and query heads, divided by the number of query heads. (B, N)."""
-    return kv_head_mass(query, query_pos, keys, key_pos, scaling).sum(dim=1) / query.shape[1]
-
-
 def window_mass(key_mass: torch.Tensor, key_window: torch.Tensor, num_windows: int) -> torch.Tensor:
     """(B, N) per-key mass and (B, N) window ids (-1 for sinks) -> (B, num_windows) per-window mass."""
     bins = torch.where(key_window >= 0, key_window, num_windows).long()

@@ -12,10 +12,16 @@ from transformers import AttentionInterface
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.attention import qevict_attention
 from qevict_core.layout import window_of_position
-from qevict_core.scoring import key_attention_mass, window_mass
+from qevict_core.scoring import kv_head_mass, window_mass
 from tests.conftest import random_prompt, tiny_model
 
 RECORDER = "qevict_replay_recorder"
+
+
+def key_attention_mass(query, query_pos, keys, key_pos, scaling):
+    """The replay the engine ran at routing events before it folded each step: Eq. 1's inner sum over the buffered
+    queries and query heads, divided by the number of query heads. (B, N)."""
+    return kv_head_mass(query, query_pos, keys, key_pos, scaling).sum(dim=1) / query.shape[1]
 
 
 class Replay:
