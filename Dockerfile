@@ -4,6 +4,10 @@
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A C compiler for QEvict's CPU decode kernel, built on first use for the CPU the Space runs on (without one the
+# engine falls back to its slower PyTorch path).
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 RUN useradd -m -u 1000 user
 USER user

@@ -4,6 +4,10 @@ measured in the same process.
     python -m bench.speed --methods fullkv,snapkv,kivi2,qevict --budget 0.2 --contexts 1024,2048,4096,8192 \\
         --new-tokens 64 --repeats 3 --threads 1
     python -m bench.speed --device cuda --model random:llama-8b --contexts 8192,16384 --batch 8   # on a GPU
+    python -m bench.speed --methods fullkv,qevict,qevict@torch --contexts 4096   # a method on a chosen path
+
+``method@path`` runs a method with ``QEvictConfig(kernels=path)`` (auto, triton, cpu, torch); a bare name runs
+``auto``, which is what users get (on CPU: the C kernel when a compiler builds it).
 
 Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
 are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
@@ -30,6 +34,7 @@ import psutil
 import torch
 
 from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
+from qevict_core.fast_path import kernel_path
 
 from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup
 
@@ -97,8 +102,9 @@ def sync(device: torch.device) -> None:
 
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:
     device = prompt.device
-    cache = make_cache(method, model, QEvictConfig(budget=budget or 1.0), max_length=prompt.shape[1] + new_tokens,
-                       batch_size=prompt.shape[0])
+    name, _, kernels = method.partition("@")
+    cache = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels or "auto"),
+                       max_length=prompt.shape[1] + new_tokens, batch_size=prompt.shape[0])
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -188,7 +194,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
     device = next(model.parameters()).device
-    lanes = [(m, b) for m, b in method_lanes([m.strip() for m in args.methods.split(",")], [args.budget])
+    meta["auto_path"] = kernel_path("auto", device, next(model.parameters()).dtype)  # what a bare "qevict" runs
+    specs = [m.strip() for m in args.methods.split(",")]
+    for spec in specs:  # bad paths fail before anything runs, with the allowed values
+        QEvictConfig(kernels=spec.partition("@")[2] or "auto")
+    lanes = [(spec, b) for spec in specs for m, b in method_lanes([spec.partition("@")[0]], [args.budget])
              if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
@@ -208,7 +218,8 @@ def main(argv=None) -> None:
         for method, res in results.items():
             ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
                       if base and base[k]}
-            rows.append({"method": method, "budget": None if method in ("fullkv", "kivi2", "kivi4") else args.budget,
+            budgeted = method.partition("@")[0] not in ("fullkv", "kivi2", "kivi4")
+            rows.append({"method": method, "budget": args.budget if budgeted else None,
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
                          "repeats": args.repeats, **res, **ratios, **meta})
     out = Path(args.out)
@@ -221,7 +232,8 @@ def main(argv=None) -> None:
 
 def speed_table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']} on {meta['gpu'] or meta['cpu']} ({meta['device']}, {meta['threads']} threads), "
-             f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process.", "",
+             f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process. "
+             f"QEvict's path for its low-bit tier when not named: {meta.get('auto_path', 'torch')}.", "",
              "| context | method | TTFT s | TPOT ms | tok/s | peak mem MiB | KV MiB | TTFT × | TPOT × | tok/s × | "
              "peak × | routing overhead |", "|" + "---|" * 12]
     for r in rows:

@@ -28,7 +28,7 @@ from .ledger import WindowLedger
 from .rope import Rope
 from .scorers import make_scorer
 from .scoring import attend_with_mass, kv_head_mass, window_mass
-from . import fast_path
+from . import cpu_path, fast_path
 from .assemble import assemble
 from .attention import sdpa_with_positions, use_qevict_attention
 from .routing import route_windows
@@ -79,17 +79,19 @@ class QEvictLayer(ReportingLayer):
         self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
         keys = [self.sink_k, self.full_k, self.recent_k]
         values = [self.sink_v, self.full_v, self.recent_v]
-        if self.quant.num_windows and not self.owner.kernels:
-            cos, sin = self.owner.rope_rows(self.sink_k, window_positions(self.quant.ids, *self._grid))
-            keys, values = assemble(self.quant, keys, values, cos, sin)
-            self.owner.note_workspace(keys.nbytes + values.nbytes)
-            return keys, values
+        if self.quant.num_windows and self.owner.kernels == "torch":
+            return self._with_quantized(keys, values)
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
-    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantized tier as post-RoPE keys and values in the model dtype (a transient copy)."""
-        q_keys, q_values = self.quant.dequantize()
-        return self.owner.rope.rotate(q_keys, window_positions(self.quant.ids, *self._grid)), q_values
+    def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        windows: WindowLedger | None = None):
+        """[dequantized, re-rotated ``windows`` (the whole quantized tier by default) | *keys]: a transient copy,
+        counted as workspace."""
+        windows = self.quant if windows is None else windows
+        cos, sin = self.owner.rope_rows(self.sink_k, window_positions(windows.ids, *self._grid))
+        keys, values = assemble(windows, keys, values, cos, sin)
+        self.owner.note_workspace(keys.nbytes + values.nbytes)
+        return keys, values
 
     @property
     def _grid(self) -> tuple[int, int]:
@@ -108,14 +110,16 @@ class QEvictLayer(ReportingLayer):
         query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
         key_pos = self.attended_positions() if scored else None
         window = self.owner.config.prefill_window
-        if self.owner.kernels and self.owner.step > 0:  # the prompt has no quantized tier yet: SDPA
+        if self.owner.kernels == "cpu" and self.owner.step > 0:  # the prompt has no quantized tier yet
+            out, mass = cpu_path.attend(self, query, query_pos, key, value, key_pos if scored else
+                                        self.attended_positions(), scaling)
+            if scored:
+                self._fold(mass, query.shape[1], key_pos)
+        elif self.owner.kernels == "triton" and self.owner.step > 0:
             merged, lse = fast_path.attend(self, query, key, value, scaling)
             out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
             if scored:  # from the LSEs just computed, the quantized tier read in place
                 self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1], key_pos)
-            if self.owner.schedule.routing_now and self.quant.num_windows:  # moves need it dequantized
-                q_keys, q_values = self._dequantized()
-                key, value = torch.cat([q_keys, key], dim=2), torch.cat([q_values, value], dim=2)
         elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
             # A decode step: one attention pass gives the output and every key's mass.
             out, mass = attend_with_mass(query, query_pos, key, key_pos, value, scaling)
@@ -127,7 +131,7 @@ class QEvictLayer(ReportingLayer):
                     query, query_pos = query[:, :, -window:], query_pos[-window:]
                 self._fold(kv_head_mass(query, query_pos, key, key_pos, scaling), query.shape[1], key_pos)
         if self.owner.schedule.routing_now:
-            self._route(key, value)
+            self._route(key, value, tier_in_keys=self.owner.kernels == "torch")
             self.owner.note_bytes(self.layer_idx)
         return out
 
@@ -152,8 +156,9 @@ class QEvictLayer(ReportingLayer):
         parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
         return torch.cat(parts, dim=1)
 
-    def _route(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """``keys``/``values`` in the order [quantized | sinks | full | recent]."""
+    def _route(self, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
+        """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
+        when the step read it in place (then only the windows that some row promotes get dequantized)."""
         owner, (sinks, omega) = self.owner, self._grid
         owner.scorer.settle(self.scores, self.interval)
         first_recent = (self.recent_start - sinks) // omega
@@ -163,10 +168,6 @@ class QEvictLayer(ReportingLayer):
         if num_aged:
             owner.scorer.on_aged(self.scores, aged_ids, self.recent_k[:, :, :num_aged * omega])
         n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
-        # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
-        fp_start = n_quant * omega + self.sink_k.shape[2]
-        starts = torch.cat([torch.arange(n_quant) * omega, fp_start + torch.arange(n_full) * omega,
-                            fp_start + (n_full + torch.arange(num_aged)) * omega]).to(keys.device)
         cand_ids = torch.cat([self.quant.ids, self.full_ids, aged_ids], dim=1)
         has_record = torch.cat([torch.ones_like(self.quant.ids, dtype=torch.bool),
                                 self.dormant_valid if self.dormant is not None
@@ -176,6 +177,18 @@ class QEvictLayer(ReportingLayer):
                                  n_quant, owner.plan.k_full, owner.plan.k_quant, owner.config.promotion)
         old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
         records = self.quant.cat(self.dormant) if self.dormant is not None else self.quant
+        quant_starts = torch.arange(n_quant, device=keys.device) * omega
+        if not tier_in_keys and n_quant:
+            promoted = decision.full[decision.full < n_quant].unique()  # slots that some row promotes
+            quant_starts = torch.zeros_like(quant_starts).index_copy_(
+                0, promoted, torch.arange(promoted.numel(), device=keys.device) * omega)
+            if promoted.numel():
+                keys, values = self._with_quantized([keys], [values], self.quant.select(promoted.expand(
+                    keys.shape[0], -1)))
+        # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
+        fp_start = keys.shape[2] - self.full_k.shape[2] - self.recent_k.shape[2]  # past [quant | sinks]
+        starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
+                            fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
 
         full_tok = _token_index(starts, decision.full, omega)
         self.full_k, self.full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
@@ -272,7 +285,8 @@ class QEvictCache(ReportingCache):
         self.config = config
         self.scorer = make_scorer(config)
         shape = KVShape.from_model(model, batch_size)
-        self.kernels = fast_path.kernels_enabled(config.kernels, next(model.parameters()).device)
+        param = next(model.parameters())
+        self.kernels = fast_path.kernel_path(config.kernels, param.device, param.dtype)
         self.plan = plan_tiers(shape, config, max_length, interval_table=self.scorer.keeps_interval)
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
@@ -291,13 +305,17 @@ class QEvictCache(ReportingCache):
     def end_forward(self) -> None:
         self._rope_table = None  # transient: nothing of it persists to the next step
 
-    def rope_rows(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, N, D) for absolute ``positions`` (B, N), gathered from a table of every position seen
-        so far that the first layer to need it builds and every other layer of this forward reuses (30 layers
-        used to compute cos/sin of their own quantized positions each step)."""
+    def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (seen, D): rows of every position seen so far, built by the first layer to need them and
+        reused by every other layer of this forward (30 layers used to compute cos/sin of their own quantized
+        positions each step)."""
         if self._rope_table is None:
             self._rope_table = self.rope.table(like, self.schedule.seen)
-        cos, sin = self._rope_table
+        return self._rope_table
+
+    def rope_rows(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, N, D) for absolute ``positions`` (B, N), rows of :meth:`rope_table`."""
+        cos, sin = self.rope_table(like)
         b, n = positions.shape
         flat = positions.reshape(-1)
         return (cos.index_select(0, flat).view(b, 1, n, -1), sin.index_select(0, flat).view(b, 1, n, -1))

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
-KERNEL_SETTINGS = ("auto", "triton", "torch")
+KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
 
 
@@ -33,7 +33,9 @@ class QEvictConfig:
     decay:        λ of the ``decay`` scorer.
     p:            exponent of the ``pnorm`` scorer.
     record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
-    kernels:      "auto" (Triton kernels on CUDA), "triton" (forced; on CPU under TRITON_INTERPRET=1) or "torch".
+    kernels:      "auto" (Triton kernels on CUDA, the C kernel on a float32 CPU model when a C compiler builds it),
+                  "triton" (forced; on CPU under TRITON_INTERPRET=1), "cpu" (the C kernel, forced) or "torch"
+                  (the quantized tier rebuilt in full precision every step).
     k_full, k_quant: tier capacities in windows per layer, set together, instead of Eq. 3's split of the budget:
                   for ablations at equal capacity (Appendix K); the plan still refuses them if the budget cannot
                   hold them, and says which bytes are missing.

@@ -28,7 +28,11 @@ def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
     hkv, n = keys.shape[1], keys.shape[2]
     groups = hq // hkv
     logits = torch.matmul(query.float().reshape(b, hkv, groups * q, d), keys.float().transpose(2, 3))
-    logits = logits.mul_(scaling).view(b, hkv, groups, q, n)  # (B, Hkv, G, q, N)
+    return causal_softmax(logits.mul_(scaling).view(b, hkv, groups, q, n), query_pos, key_pos)
+
+
+def causal_softmax(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Softmax over N of logits (B, Hkv, G, q, N), keys later than a query hidden from it (masked in place)."""
     # Only keys newer than the oldest query can be hidden from some query; keys come in any order, so find them
     # first and mask just those columns (the whole (q, N) mask cost more than the scores at a routing event).
     later = (key_pos > query_pos.min()).any(dim=0).nonzero().flatten()

@@ -57,6 +57,8 @@ class Replay:
         query = torch.cat([q for q, _ in self.queries[layer.layer_idx]], dim=2)
         query_pos = torch.cat([p for _, p in self.queries[layer.layer_idx]])
         key_pos = layer.attended_positions()
+        if layer.owner.kernels != "torch":  # the step read the quantized tier in place: replay against it too
+            keys, _ = layer._with_quantized([keys], [keys])
         mass = key_attention_mass(query, query_pos, keys, key_pos, scaling)
         u = window_mass(mass, window_of_position(key_pos, *layer._grid), self.cache.plan.num_windows)
         before = self.after_event[layer.layer_idx]
@@ -82,11 +84,12 @@ def run_with_replay(model, config, prompt_len: int, steps: int, vocab: int = 256
     return recorder
 
 
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
 @pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("qwen2", 2), ("mistral", 2)])
 @pytest.mark.parametrize("scorer", ["cumulative", "decay", "pnorm"])
-def test_folded_scores_equal_the_replay_of_buffered_queries(family, kv_heads, scorer):
+def test_folded_scores_equal_the_replay_of_buffered_queries(family, kv_heads, scorer, kernels):
     model = tiny_model(family, kv_heads)
-    config = QEvictConfig(budget=0.25, scorer=scorer, decay=0.9)
+    config = QEvictConfig(budget=0.25, scorer=scorer, decay=0.9, kernels=kernels)
     recorder = run_with_replay(model, config, prompt_len=600, steps=40)
     # 40 steps after the prompt's event = 5 events per layer, all compared; the tiers moved in between.
     assert recorder.compared == 5 * len(recorder.cache.layers)
@@ -94,9 +97,10 @@ def test_folded_scores_equal_the_replay_of_buffered_queries(family, kv_heads, sc
     print(f"largest relative difference from the replay: {recorder.worst:.2e}")
 
 
-def test_folded_scores_equal_the_replay_on_smollm2(smollm2):
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_folded_scores_equal_the_replay_on_smollm2(smollm2, kernels):
     model, _ = smollm2
-    config = QEvictConfig(budget=0.2)
+    config = QEvictConfig(budget=0.2, kernels=kernels)
     recorder = run_with_replay(model, config, prompt_len=700, steps=16, vocab=model.config.vocab_size)
     assert recorder.compared == 2 * len(recorder.cache.layers)
     print(f"largest relative difference from the replay: {recorder.worst:.2e}")

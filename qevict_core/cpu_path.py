@@ -1,0 +1,42 @@
+"""QEvict's decode step on the CPU with the low-bit tier read in place (``kernels.cpu_decode``).
+
+The PyTorch path rebuilds the quantized tier in full precision before every step (``assemble.py``): at 4K tokens
+that rebuild was most of QEvict's step on one core. Here ``update`` returns only the full-precision keys
+(sinks | full | recent), and attention runs as one softmax over [quantized | full precision] logits: the quantized
+logits come from the C kernel (dequantize, re-rotate and dot one key at a time), the full-precision ones from a
+matmul, and the output is the C kernel's probability-weighted dequantized values plus a matmul over the rest.
+The probabilities are also every key's attention mass, which the layer folds into its score table, as on the
+PyTorch path. Same math; only the order of float sums differs (tests compare logits and generated tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_decode
+
+from .scoring import causal_softmax
+
+
+def attend(layer, query: torch.Tensor, query_pos: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
+           key_pos: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent]; key_pos (B, N) positions of
+    [quantized | sinks | full | recent]. -> out (B, L, Hq, D) in the query dtype, mass (B, Hkv, N) float32."""
+    b, hq, lq, d = query.shape
+    hkv = fp_keys.shape[1]
+    rows = query.float().reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
+    quant, owner = layer.quant, layer.owner
+    n_quant = quant.k_codes.shape[2]
+    logits = [torch.matmul(rows, fp_keys.float().transpose(2, 3)).mul_(scaling)]  # (B, Hkv, G*L, n)
+    if n_quant:
+        cos, sin = owner.rope_table(fp_keys)
+        logits.insert(0, cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale, quant.k_zero, quant.ids, cos,
+                                                 sin, owner.config.sinks, quant.omega, quant.bits, scaling))
+    logits = torch.cat(logits, dim=-1) if n_quant else logits[0]
+    probs = causal_softmax(logits.view(b, hkv, hq // hkv, lq, -1), query_pos, key_pos).view_as(logits)
+    out = torch.matmul(probs[..., n_quant:], fp_values.float())  # (B, Hkv, G*L, D)
+    if n_quant:
+        out += cpu_decode.quant_values(probs, quant.v_codes, quant.v_scale, quant.v_zero, quant.bits)
+    owner.note_workspace(2 * probs.nbytes)
+    out = out.view(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
+    return out, probs.view(b, hkv, hq // hkv, lq, -1).sum(dim=(2, 3))

@@ -1,0 +1,150 @@
+"""The C decode kernel (kernels/cpu_decode.py) against its PyTorch references, and the engine on it.
+
+Tolerances follow flash-attn's tests: the kernel's error against a float64 reference may be at most a small
+multiple of the error that the same math in float32 PyTorch makes, plus a floor for values near zero.
+"""
+
+import pytest
+import torch
+
+from kernels import cpu_decode
+from qevict_core import QEvictConfig, make_cache
+from qevict_core.fast_path import kernel_path
+from tests.conftest import random_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_decode.available() is not None,
+                                reason=f"the C kernel did not build: {cpu_decode.available()}")
+
+
+def ledger_inputs(batch, heads, rows, dim, windows, omega, bits, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = windows * omega
+    packed = dim * bits // 8
+    codes = lambda: torch.randint(0, 256, (batch, heads, n, packed), dtype=torch.uint8, generator=g)  # noqa: E731
+    ids = torch.stack([torch.randperm(windows + 7, generator=g)[:windows] for _ in range(batch)]).int()
+    positions = torch.arange(5 + (windows + 7) * omega)[:, None].float()
+    angle = positions / 10000 ** (torch.arange(0, dim, 2) / dim)
+    angle = torch.cat([angle, angle], dim=-1)
+    return dict(rows=torch.randn(batch, heads, rows, dim, generator=g), k_codes=codes(),
+                k_scale=torch.rand(batch, heads, windows, dim, generator=g) / 4,
+                k_zero=torch.randn(batch, heads, windows, dim, generator=g), ids=ids, cos=angle.cos() * 1.1,
+                sin=angle.sin() * 1.1, sinks=5, omega=omega, bits=bits, scaling=dim ** -0.5), codes()
+
+
+def assert_within_float32_error(got, reference64, reference32, factor=4.0, floor=1e-6):
+    kernel_err = (got.double() - reference64).abs().max().item()
+    torch_err = (reference32.double() - reference64).abs().max().item()
+    assert kernel_err <= factor * torch_err + floor, (kernel_err, torch_err)
+
+
+SHAPES = [  # batch, KV heads, rows (G·L), head_dim, windows, Ω, bits: constant and generic dispatches, odd sizes
+    (1, 3, 3, 64, 97, 8, 2), (2, 2, 4, 64, 13, 8, 4), (1, 2, 8, 128, 205, 5, 2), (2, 1, 1, 128, 3, 1, 4),
+    (1, 2, 2, 48, 41, 7, 2), (1, 1, 5, 6, 11, 3, 4),
+]
+
+
+@pytest.mark.parametrize("batch,heads,rows,dim,windows,omega,bits", SHAPES)
+def test_quant_logits_match_the_reference(batch, heads, rows, dim, windows, omega, bits):
+    args, _ = ledger_inputs(batch, heads, rows, dim, windows, omega, bits)
+    got = cpu_decode.quant_logits(**args)
+    assert got.shape == (batch, heads, rows, windows * omega)
+    assert_within_float32_error(got, cpu_decode.quant_logits_reference(**args, dtype=torch.float64),
+                                cpu_decode.quant_logits_reference(**args))
+
+
+@pytest.mark.parametrize("batch,heads,rows,dim,windows,omega,bits", SHAPES)
+def test_quant_values_match_the_reference(batch, heads, rows, dim, windows, omega, bits):
+    args, v_codes = ledger_inputs(batch, heads, rows, dim, windows, omega, bits, seed=1)
+    n = windows * omega
+    # Probabilities of a softmax over [quantized | 9 more keys]: the kernel reads only the first n columns.
+    probs = torch.softmax(torch.cat([cpu_decode.quant_logits(**args), torch.randn(batch, heads, rows, 9)], -1), -1)
+    v_scale, v_zero = torch.rand(batch, heads, n, 1) / 4, torch.randn(batch, heads, n, 1)
+    got = cpu_decode.quant_values(probs, v_codes, v_scale, v_zero, bits)
+    assert got.shape == (batch, heads, rows, dim)
+    assert_within_float32_error(got, cpu_decode.quant_values_reference(probs, v_codes, v_scale, v_zero, bits,
+                                                                       torch.float64),
+                                cpu_decode.quant_values_reference(probs, v_codes, v_scale, v_zero, bits))
+
+
+def test_threads_split_heads_without_changing_results():
+    args, _ = ledger_inputs(2, 3, 3, 64, 40, 8, 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.quant_logits(**args)
+        torch.set_num_threads(4)
+        many = cpu_decode.quant_logits(**args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_bad_inputs_say_what_is_allowed():
+    args, _ = ledger_inputs(1, 1, 1, 64, 4, 8, 2)
+    with pytest.raises(ValueError, match="rows must be a CPU torch.float32 tensor"):
+        cpu_decode.quant_logits(**{**args, "rows": args["rows"].double()})
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        cpu_decode.quant_logits(**{**args, "bits": 8})
+
+
+def test_the_library_is_built_once_per_machine_into_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("QEVICT_CACHE_DIR", str(tmp_path))
+    cpu_decode._library.cache_clear()
+    try:
+        assert cpu_decode.available() is None
+        (built,) = (tmp_path / "kernels").glob("quant_decode-*.so")
+        stamp = built.stat().st_mtime_ns
+        cpu_decode._library.cache_clear()  # a new process: loads the library, does not build it again
+        assert cpu_decode.available() is None and built.stat().st_mtime_ns == stamp
+    finally:
+        monkeypatch.undo()
+        cpu_decode._library.cache_clear()
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("QEVICT_CACHE_DIR", "/nonexistent/cache")
+    cpu_decode._library.cache_clear()
+    try:
+        assert kernel_path("auto", torch.device("cpu"), torch.float32) == "torch"
+        with pytest.raises(ValueError, match="no C compiler found"):
+            kernel_path("cpu", torch.device("cpu"), torch.float32)
+    finally:
+        monkeypatch.undo()
+        cpu_decode._library.cache_clear()
+    assert kernel_path("auto", torch.device("cpu"), torch.float32) == "cpu"
+    assert kernel_path("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        kernel_path("cpu", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 1)])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits):
+    model = tiny_model(family, kv_heads)
+    prompt = torch.cat([random_prompt(400), random_prompt(400, seed=2)])
+    results = {}
+    for kernels in ("torch", "cpu"):  # 48 steps: six routing events after the prefill, with promotions
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels),
+                           max_length=400 + 48, batch_size=2)
+        assert cache.kernels == kernels
+        out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        memory = cache.memory_report()
+        assert memory["total_bytes"] <= memory["budget_bytes"]
+        results[kernels] = (out[:, 400:].tolist(), cache.summary(), memory["components"])
+    assert results["cpu"] == results["torch"]
+    assert results["cpu"][1]["promotions"] > 0 and results["cpu"][1]["evictions"] > 0
+
+
+def test_the_cpu_kernel_on_smollm2_generates_the_torch_paths_tokens(smollm2):
+    from tests.test_smollm2 import passage_prompt
+
+    model, tok = smollm2
+    prompt = passage_prompt(tok, 1400)
+    tokens = {}
+    for kernels in ("torch", "cpu"):
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels),
+                           max_length=prompt.shape[1] + 96)
+        out = model.generate(prompt, cache=cache, max_new_tokens=96, min_new_tokens=96, do_sample=False)
+        tokens[kernels] = out[0, prompt.shape[1]:].tolist()
+    assert tokens["cpu"] == tokens["torch"]
