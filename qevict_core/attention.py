@@ -3,9 +3,10 @@
 transformers calls it once per layer per forward with the keys and values that ``cache.update`` returned. The
 cache attaches its layer to the module while in use (``module.qevict_layer``); the layer claims the call only if
 the keys are the very tensor it returned, so a model later used with another cache falls back to plain SDPA.
-Causality is applied here, by position. SDPA's mask function is registered under the same name only so that a
-padded batch reaches this function with its mask (transformers drops the mask of an attention implementation
-without one): the caches keep no per-row offsets, so a padded batch is refused instead of attending to padding.
+Causality is applied here, by position. SDPA's mask function is registered under the same name so that a padded
+batch reaches this function with its mask (transformers drops the mask of an attention implementation without
+one): a ``RowCache`` (``make_cache(..., padded=True)``, padded.py) reads each row's padding from it, and every other
+cache refuses a padded batch instead of attending to padding.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ def qevict_attention(module, query, key, value, attention_mask, scaling=None, dr
     if layer is None or not layer.claim(key):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    scaling = module.scaling if scaling is None else scaling
+    if layer.accepts_padding:
+        return layer.attend_rows(module, query, key, value, attention_mask, scaling, dropout), None
     if attention_mask is not None:
         refuse_padding(attention_mask)
-    scaling = module.scaling if scaling is None else scaling
     return layer.attend(module, query, key, value, scaling, dropout), None
 
 
@@ -35,9 +38,9 @@ def refuse_padding(attention_mask: torch.Tensor) -> None:
     hidden = ~last_row if last_row.dtype == torch.bool else last_row < 0
     if hidden.any():
         rows = hidden.flatten(1).any(dim=1).nonzero().flatten().tolist()
-        raise ValueError(f"padded batches are not supported by the registry caches yet (rows {rows} have padding): "
-                         "their tiers and routing would treat padding tokens as context. Generate prompts of equal "
-                         "length together, or one prompt per call.")
+        raise ValueError(f"rows {rows} of this batch have padding, which this cache would route and attend as "
+                         "context: make it with make_cache(..., padded=True) (one cache per row, each seeing only "
+                         "its row's tokens), or generate prompts of equal length together.")
 
 
 def sdpa_with_positions(module, query, key, value, scaling: float, dropout: float = 0.0) -> torch.Tensor:

@@ -17,7 +17,12 @@ from .budget import KVShape
 
 
 class ReportingLayer(CacheLayerMixin):
-    """A cache layer that reports the tensors it keeps. Layout (B, H, T, D) everywhere."""
+    """A cache layer that reports the tensors it keeps. Layout (B, H, T, D) everywhere.
+
+    ``accepts_padding``: the layer attends through ``attend_rows`` with the batch's attention mask (padded.py);
+    other layers never see a padded batch (the attention function refuses it)."""
+
+    accepts_padding = False
 
     def __init__(self, layer_idx: int, owner: ReportingCache):
         super().__init__()

@@ -17,6 +17,7 @@ from .eviction import EvictionCache
 from .fullkv import FullKVCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
+from .padded import RowCache
 from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
 from .scorers import make_scorer
 from .zipcache import ZipCacheCache
@@ -119,8 +120,11 @@ def method_info(name: str) -> MethodSpec:
 
 
 def make_cache(method: str, model, config: QEvictConfig | None = None, max_length: int | None = None,
-               batch_size: int = 1) -> ReportingCache:
-    """A fresh cache of ``method`` for one generation of at most ``max_length`` tokens (prompt + new tokens)."""
+               batch_size: int = 1, padded: bool = False) -> ReportingCache:
+    """A fresh cache of ``method`` for one generation of at most ``max_length`` tokens (prompt + new tokens).
+
+    ``padded``: the batch may be left-padded (prompts of different lengths): one cache per row, each seeing only
+    its row's tokens, so every row generates what its prompt generates alone (padded.py)."""
     spec = method_info(method)
     if max_length is None or max_length < 1:
         raise ValueError(f"max_length must be given: prompt tokens + max new tokens (got {max_length!r})")
@@ -129,4 +133,7 @@ def make_cache(method: str, model, config: QEvictConfig | None = None, max_lengt
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"only full-attention decoder layers are supported; this model has {sorted(set(layer_types))}")
-    return spec.build(model, config or QEvictConfig(), max_length, batch_size)
+    config = config or QEvictConfig()
+    if padded:
+        return RowCache(lambda length: spec.build(model, config, length, 1), model, max_length, batch_size)
+    return spec.build(model, config, max_length, batch_size)

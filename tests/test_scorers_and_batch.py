@@ -74,13 +74,14 @@ def test_batch_size_mismatch_is_reported():
 
 @pytest.mark.parametrize("method", ["qevict", "fullkv", "snapkv", "kivi2"])
 def test_a_padded_batch_is_refused_not_attended_to(method):
-    """The caches keep no per-row offsets (issue 9, item 5): padding must not silently become context."""
+    """A batched cache keeps one window grid for all rows: padding must not silently become context, and the
+    error says how to run a padded batch (tests/test_padding.py)."""
     model = tiny_model("llama", 2)
     ids = random_prompt(200).repeat(2, 1)
     padded = torch.ones_like(ids)
     padded[1, :30] = 0
     cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
-    with pytest.raises(ValueError, match=r"padded batches are not supported .*rows \[1\]"):
+    with pytest.raises(ValueError, match=r"rows \[1\] of this batch have padding.*padded=True"):
         model.generate(ids, attention_mask=padded, cache=cache, max_new_tokens=3, do_sample=False)
     # The same batch without padding runs, and both rows of identical prompts decode identically.
     cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
