@@ -76,13 +76,21 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+@lru_cache(maxsize=1)
 def available() -> str | None:
-    """None when the kernel is built and loaded, else why not."""
+    """None when the kernel is built and loaded, else why not (remembered: a failed build is not retried for every
+    cache the process makes)."""
     try:
         _library()
     except (KernelUnavailable, OSError) as err:
         return str(err)
     return None
+
+
+def _forget() -> None:
+    """Forget the loaded library and any failure, as a new process would (for tests)."""
+    available.cache_clear()
+    _library.cache_clear()
 
 
 @lru_cache(maxsize=4)

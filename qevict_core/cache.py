@@ -81,7 +81,9 @@ class QEvictLayer(ReportingLayer):
         values = [self.sink_v, self.full_v, self.recent_v]
         if self.quant.num_windows and self.owner.kernels == "torch":
             return self._with_quantized(keys, values)
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        self.owner.note_workspace(keys.nbytes + values.nbytes)
+        return keys, values
 
     def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):

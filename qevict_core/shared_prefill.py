@@ -24,6 +24,8 @@ from .cache_base import ReportingCache
 class _FanOut:
     """Stands in as ``module.qevict_layer`` for one layer: runs every cache's attention on its own keys."""
 
+    accepts_padding = False  # lanes share one unpadded prompt
+
     def __init__(self, layers, returned, broadcast: bool):
         self.layers, self.returned, self.broadcast = layers, returned, broadcast
         self._keys = returned[0][0]

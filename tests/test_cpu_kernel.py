@@ -89,29 +89,29 @@ def test_bad_inputs_say_what_is_allowed():
 
 def test_the_library_is_built_once_per_machine_into_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("QEVICT_CACHE_DIR", str(tmp_path))
-    cpu_decode._library.cache_clear()
+    cpu_decode._forget()
     try:
         assert cpu_decode.available() is None
         (built,) = (tmp_path / "kernels").glob("quant_decode-*.so")
         stamp = built.stat().st_mtime_ns
-        cpu_decode._library.cache_clear()  # a new process: loads the library, does not build it again
+        cpu_decode._forget()  # a new process: loads the library, does not build it again
         assert cpu_decode.available() is None and built.stat().st_mtime_ns == stamp
     finally:
         monkeypatch.undo()
-        cpu_decode._library.cache_clear()
+        cpu_decode._forget()
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("QEVICT_CACHE_DIR", "/nonexistent/cache")
-    cpu_decode._library.cache_clear()
+    cpu_decode._forget()
     try:
         assert kernel_path("auto", torch.device("cpu"), torch.float32) == "torch"
         with pytest.raises(ValueError, match="no C compiler found"):
             kernel_path("cpu", torch.device("cpu"), torch.float32)
     finally:
         monkeypatch.undo()
-        cpu_decode._library.cache_clear()
+        cpu_decode._forget()
     assert kernel_path("auto", torch.device("cpu"), torch.float32) == "cpu"
     assert kernel_path("auto", torch.device("cpu"), torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="float32"):
