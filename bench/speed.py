@@ -5,6 +5,7 @@ measured in the same process.
         --new-tokens 64 --repeats 3 --threads 1
     python -m bench.speed --device cuda --model random:llama-8b --contexts 8192,16384 --batch 8   # on a GPU
     python -m bench.speed --methods fullkv,qevict,qevict@torch --contexts 4096   # a method on a chosen path
+    python -m bench.speed --methods fullkv,qevict --contexts 4096 --mmap-threshold 131072   # allocator setting
 
 ``method@path`` runs a method with ``QEvictConfig(kernels=path)`` (auto, triton, cpu, torch); a bare name runs
 ``auto``, which is what users get (on CPU: the C kernel when a compiler builds it).
@@ -16,6 +17,11 @@ The warm-up runs the method it times, on a prompt of at most 1024 tokens. Peak m
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
 its level after loading the model and warming up, sampled every 2 ms. KV bytes are the cache's measured bytes
 (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
+
+glibc's allocator keeps freed blocks for reuse, and after a large block is freed it raises its mmap threshold, so
+large buffers freed during a prefill can stay resident: peak RSS then measures the allocator as well as the
+method. ``--mmap-threshold BYTES`` starts every measured process with ``MALLOC_MMAP_THRESHOLD_`` fixed at that size
+(blocks above it are mapped and returned on free), for every method alike; the table header says when it is set.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import ctypes
 import json
 import multiprocessing
+import os
 import statistics
 import threading
 import time
@@ -190,11 +197,21 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "speed"))
+    parser.add_argument("--mmap-threshold", type=int, default=None,
+                        help="start each CPU run with MALLOC_MMAP_THRESHOLD_ set to this many bytes (glibc)")
     add_model_args(parser, "bundled SmolLM2 by default; random:llama-8b for GPU runs")
     args = parser.parse_args(argv)
     model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
     device = next(model.parameters()).device
     meta["auto_path"] = kernel_path("auto", device, next(model.parameters()).dtype)  # what a bare "qevict" runs
+    if args.mmap_threshold is not None:
+        if device.type != "cpu":
+            raise ValueError("--mmap-threshold applies to CPU runs (each in a fresh process); this run is on "
+                             f"{device.type}")
+        if args.mmap_threshold < 0:
+            raise ValueError(f"--mmap-threshold must be a number of bytes >= 0 (got {args.mmap_threshold})")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by glibc when each run's process starts
+        meta["mmap_threshold"] = args.mmap_threshold
     specs = [m.strip() for m in args.methods.split(",")]
     for spec in specs:  # bad paths fail before anything runs, with the allowed values
         QEvictConfig(kernels=spec.partition("@")[2] or "auto")
@@ -233,7 +250,9 @@ def main(argv=None) -> None:
 def speed_table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']} on {meta['gpu'] or meta['cpu']} ({meta['device']}, {meta['threads']} threads), "
              f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process. "
-             f"QEvict's path for its low-bit tier when not named: {meta.get('auto_path', 'torch')}.", "",
+             f"QEvict's path for its low-bit tier when not named: {meta.get('auto_path', 'torch')}."
+             + (f" glibc MALLOC_MMAP_THRESHOLD_={meta['mmap_threshold']} in every run."
+                if meta.get("mmap_threshold") is not None else ""), "",
              "| context | method | TTFT s | TPOT ms | tok/s | peak mem MiB | KV MiB | TTFT × | TPOT × | tok/s × | "
              "peak × | routing overhead |", "|" + "---|" * 12]
     for r in rows:

@@ -170,6 +170,16 @@ def test_speed_smoke(tmp_path):
         speed.main(["--model", "tiny", "--methods", "qevict@gpu", "--contexts", "512", "--out", str(tmp_path)])
 
 
+def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0")  # recorded, so the value the run sets is undone afterwards
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    speed.main(["--model", "tiny", "--methods", "fullkv", "--contexts", "256", "--new-tokens", "4", "--repeats", "1",
+                "--mmap-threshold", "131072", "--out", str(tmp_path)])
+    (row,) = read_jsonl(list(tmp_path.glob("*.jsonl")))
+    assert row["mmap_threshold"] == 131072 and row["peak_memory"] > 0
+    assert "MALLOC_MMAP_THRESHOLD_=131072 in every run" in next(tmp_path.glob("*.md")).read_text()
+
+
 def test_kernel_microbenchmark_smoke(tmp_path):
     from bench import kernels
 
