@@ -106,8 +106,17 @@ def _over_heads(call, heads: int) -> None:
     else:
         bounds = [heads * i // workers for i in range(workers + 1)]
         codes = list(_pool(workers).map(call, bounds[:-1], bounds[1:]))
-    if any(codes):
-        raise ValueError("head_dim must be even and at most 512 for the CPU kernel")
+    if any(codes):  # the C side re-checks what _shape checked: reaching this is a bug, not bad input
+        raise RuntimeError("quant_decode.c refused shapes that the Python checks accepted")
+
+
+def _shape(d: int, bits: int, n: int = 0, omega: int = 1) -> None:
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be one of (2, 4) for the CPU kernel (got {bits})")
+    if d <= 0 or d % 2 or d > 512:
+        raise ValueError(f"head_dim must be even and at most 512 for the CPU kernel (got {d})")
+    if omega < 1 or n % omega:
+        raise ValueError(f"the tier must hold whole windows: {n} tokens is not a multiple of Ω = {omega}")
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +133,7 @@ def quant_logits(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tenso
     rows by absolute position (window w's token j sits at sinks + w·Ω + j). -> logits (B, H, R, N) float32."""
     b, h, r, d = rows.shape
     n = k_codes.shape[2]
+    _shape(d, bits, n, omega)
     tensors = [_check("rows", rows, torch.float32), _check("k_codes", k_codes, torch.uint8),
                _check("k_scale", k_scale, torch.float32), _check("k_zero", k_zero, torch.float32),
                _check("ids", ids, torch.int32), _check("cos", cos, torch.float32), _check("sin", sin, torch.float32)]
@@ -139,7 +149,9 @@ def quant_values(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tens
     """probs (B, H, R, S) float32 whose first N columns weigh the quantized values; v_codes (B, H, N, D·bits/8);
     v_scale, v_zero (B, H, N, 1). -> (B, H, R, D) float32: probs[..., :N] @ dequantized values."""
     b, h, r, stride = probs.shape
+    _shape(2, bits)
     n, d = v_codes.shape[2], v_codes.shape[3] * 8 // bits
+    _shape(d, bits)
     tensors = [_check("probs", probs, torch.float32), _check("v_codes", v_codes, torch.uint8),
                _check("v_scale", v_scale, torch.float32), _check("v_zero", v_zero, torch.float32)]
     out = probs.new_empty(b, h, r, d)

@@ -83,8 +83,10 @@ def test_bad_inputs_say_what_is_allowed():
     args, _ = ledger_inputs(1, 1, 1, 64, 4, 8, 2)
     with pytest.raises(ValueError, match="rows must be a CPU torch.float32 tensor"):
         cpu_decode.quant_logits(**{**args, "rows": args["rows"].double()})
-    with pytest.raises(ValueError, match="head_dim must be even"):
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 4\)"):
         cpu_decode.quant_logits(**{**args, "bits": 8})
+    with pytest.raises(ValueError, match="not a multiple of Ω = 5"):
+        cpu_decode.quant_logits(**{**args, "omega": 5})
 
 
 def test_the_library_is_built_once_per_machine_into_the_cache_dir(tmp_path, monkeypatch):
