@@ -68,8 +68,9 @@ def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, fl
     scored = steps - 1
     rows = []
     for i, ((method, budget), cache) in enumerate(zip(lanes, caches), start=1):
-        memory = cache.memory_report()
+        memory, summary = cache.memory_report(), cache.summary()
         rows.append({"method": method, "budget": budget, "steps": steps, "prefill": prefill,
+                     "k_full": summary.get("k_full"), "k_quant": summary.get("k_quant"),
                      "kl": kl[i].item() / steps, "top1": top1[i].item() / steps,
                      "ppl": math.exp(nll[i].item() / scored), "ppl_fullkv": math.exp(nll[0].item() / scored),
                      "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"]})

@@ -122,8 +122,8 @@ def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
 
 def fidelity_report(rows: list[dict], out: Path) -> Path:
     """Means over passages with 95% t-intervals (rows without a passage index count as one passage)."""
-    header = ["method", "KV ratio", "passages", "mean KL(FullKV‖method)", "top-1 agreement", "perplexity",
-              "FullKV perplexity"]
+    header = ["method", "KV ratio", "K_f / K_q", "passages", "mean KL(FullKV‖method)", "top-1 agreement",
+              "perplexity", "FullKV perplexity"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     groups = defaultdict(list)
     for r in rows:
@@ -131,13 +131,15 @@ def fidelity_report(rows: list[dict], out: Path) -> Path:
     points = []
     for (method, budget), group in sorted(groups.items(), key=lambda g: (g[0][1] or 2, g[0][0])):
         ratio, top1 = mean(r["kv_ratio"] for r in group), mean(r["top1"] for r in group)
-        lines.append(f"| {label(method, budget)} | {ratio:.3f} | {len(group)} | "
+        lines.append(f"| {label(method, budget)} | {ratio:.3f} | {capacities(groups, method, budget)} | "
+                     f"{len(group)} | "
                      f"{interval([r['kl'] for r in group], 4)} | {interval([r['top1'] for r in group])} | "
                      f"{interval([r['ppl'] for r in group], 2)} | {mean(r['ppl_fullkv'] for r in group):.2f} |")
         points.append((method, budget, ratio, top1))
     out.mkdir(parents=True, exist_ok=True)
     table = out / "fidelity_table.md"
-    table.write_text("Mean over passages ± half-width of the 95% t-interval.\n\n" + "\n".join(lines) + "\n")
+    table.write_text("Mean over passages ± half-width of the 95% t-interval; K_f / K_q: tier capacities per layer "
+                     "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n")
     pareto(points, "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement",
            out / "fidelity_pareto")
     return table

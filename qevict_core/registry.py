@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .budget import KVShape, plan_tiers
+from .budget import BudgetTooSmall, KVShape, plan_tiers
 from .cache import QEvictCache
 from .cache_base import ReportingCache
 from .config import QEvictConfig
@@ -32,16 +32,27 @@ class MethodSpec:
 
 
 def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[..., ReportingCache]:
-    """``same_capacity``: an ablation runs with the K_f and K_q that QEvict gets from the same config (as the
+    """``same_capacity``: an ablation runs with the tier capacities that QEvict gets from the same config (as the
     paper's Appendix K does), not with what its own byte needs would give (without promotion no full window
-    reserves a ledger record, so Eq. 3 would hand it more full windows and the ablation would measure that too)."""
+    reserves a ledger record, so Eq. 3 would hand it more full windows and the ablation would measure that too).
+    An ablation of Ω keeps the same capacity in tokens: K·Ω / Ω', rounded down to whole windows. When that
+    capacity does not fit the bytes (smaller windows carry more scales and scores; p-norm keeps a second table),
+    the ablation runs at its own plan for the same bytes, and its K_f / K_q (in ``summary()``) say so."""
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        cache = None
         if same_capacity and config.k_full is None:
             plan = plan_tiers(KVShape.from_model(model, batch_size), config, max_length,
                               interval_table=make_scorer(config).keeps_interval)
             if not plan.uncompressed:
-                config = config.replace(k_full=plan.k_full, k_quant=plan.k_quant)
-        cache = QEvictCache(model, config.replace(**overrides), max_length, batch_size)
+                omega = overrides.get("omega", config.omega)
+                fixed = config.replace(k_full=plan.k_full * config.omega // omega,
+                                       k_quant=plan.k_quant * config.omega // omega, **overrides)
+                try:
+                    cache = QEvictCache(model, fixed, max_length, batch_size)
+                except BudgetTooSmall:
+                    pass  # its own plan, below
+        if cache is None:
+            cache = QEvictCache(model, config.replace(**overrides), max_length, batch_size)
         cache.method = name
         return cache
     return build
@@ -81,6 +92,15 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
                                  "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),
+    **{f"qevict_{scorer}": MethodSpec(_qevict(f"qevict_{scorer}", same_capacity=True, scorer=scorer),
+                                      f"QEvict scorer ablation: windows ranked by the {scorer} score (Appendix J) "
+                                      "at QEvict's tier capacities.", "arXiv 2608.05326, App. J/K", "qevict")
+       for scorer in ("decay", "pnorm", "keynorm")},
+    **{f"qevict_omega{omega}": MethodSpec(_qevict(f"qevict_omega{omega}", same_capacity=True, omega=omega),
+                                          f"QEvict window-size ablation: Ω = {omega} (windows and routing interval) "
+                                          "at QEvict's tier capacities in tokens.", "arXiv 2608.05326, App. K",
+                                          "qevict")
+       for omega in (4, 16)},
     "r1": MethodSpec(_qevict("r1", omega=1, q_frac=0.0), "R1: token-level eviction by cumulative attention "
                      "(Ω = 1, no quantized tier).", "arXiv 2608.05326, App. I.1", "qevict"),
     "r2": MethodSpec(_qevict("r2", q_frac=0.0), "R2: two-tier window eviction (Ω = 8, no quantized tier).",

@@ -170,10 +170,37 @@ def test_the_promotion_ablation_runs_at_qevicts_capacities():
     # Left to Eq. 3 alone it would get more full windows: none of them reserves a ledger record.
     own = plan_tiers(KVShape.from_model(model), config.replace(promotion=False), 1000)
     assert own.k_full > qevict.plan.k_full
-    prompt = random_prompt(1000 - NEW_STEPS)
-    with torch.inference_mode():
-        logits = model(prompt, cache=nopromo).logits[:, -1]
-        for _ in range(NEW_STEPS):
-            logits = model(logits.argmax(-1, keepdim=True), cache=nopromo).logits[:, -1]
+    decode_to_max_length(model, nopromo)
     assert nopromo.memory_report()["total_bytes"] <= nopromo.budget_bytes
     assert nopromo.summary()["promotions"] == 0
+
+
+def test_scorer_and_window_ablations_run_at_qevicts_capacities_when_they_fit():
+    model = tiny_model("llama", 2)
+    config = QEvictConfig(budget=0.3)
+    base = make_cache("qevict", model, config, max_length=1000).plan
+    for scorer in ("decay", "pnorm", "keynorm"):
+        cache = make_cache(f"qevict_{scorer}", model, config, max_length=1000)
+        assert cache.config.scorer == scorer
+        assert (cache.plan.k_full, cache.plan.k_quant) == (base.k_full, base.k_quant)
+    wide = make_cache("qevict_omega16", model, config, max_length=1000)
+    assert (wide.plan.k_full, wide.plan.k_quant) == (base.k_full * 8 // 16, base.k_quant * 8 // 16)
+    # Ω = 4 at the same tokens needs twice the window ids, key scales and scores: more than the budget holds, so
+    # it runs at its own plan for the same bytes.
+    with pytest.raises(BudgetTooSmall):
+        make_cache("qevict", model, config.replace(omega=4, k_full=base.k_full * 2, k_quant=base.k_quant * 2),
+                   max_length=1000)
+    narrow = make_cache("qevict_omega4", model, config, max_length=1000)
+    own = plan_tiers(KVShape.from_model(model), config.replace(omega=4), 1000)
+    assert narrow.config.omega == 4 and (narrow.plan.k_full, narrow.plan.k_quant) == (own.k_full, own.k_quant)
+    for cache in (wide, narrow):
+        decode_to_max_length(model, cache)
+        assert cache.memory_report()["total_bytes"] <= cache.budget_bytes
+
+
+def decode_to_max_length(model, cache, length: int = 1000) -> None:
+    """A random prompt, then greedy steps until the cache holds ``length`` tokens."""
+    with torch.inference_mode():
+        logits = model(random_prompt(length - NEW_STEPS), cache=cache).logits[:, -1]
+        for _ in range(NEW_STEPS):
+            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]

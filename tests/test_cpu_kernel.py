@@ -146,7 +146,7 @@ def test_the_cpu_kernel_on_smollm2_generates_the_torch_paths_tokens(smollm2):
     tokens = {}
     for kernels in ("torch", "cpu"):
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels),
-                           max_length=prompt.shape[1] + 96)
-        out = model.generate(prompt, cache=cache, max_new_tokens=96, min_new_tokens=96, do_sample=False)
+                           max_length=prompt.shape[1] + 64)
+        out = model.generate(prompt, cache=cache, max_new_tokens=64, min_new_tokens=64, do_sample=False)
         tokens[kernels] = out[0, prompt.shape[1]:].tolist()
     assert tokens["cpu"] == tokens["torch"]

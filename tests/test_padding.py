@@ -20,8 +20,8 @@ def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask
 
 
-def generate(model, ids, cache, **kwargs) -> list[list[int]]:
-    out = model.generate(ids, cache=cache, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kwargs)
+def generate(model, ids, cache, new: int = NEW, **kwargs) -> list[list[int]]:
+    out = model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
     return out[:, ids.shape[1]:].tolist()
 
 
@@ -75,9 +75,11 @@ def test_a_padded_batch_of_real_prompts_on_smollm2(smollm2):
     model, tok = smollm2
     prompts = [passage_prompt(tok, 520), passage_prompt(tok, 330)]
     config = QEvictConfig(budget=0.2)
-    alone = [generate(model, p, make_cache("qevict", model, config, max_length=p.shape[1] + NEW))[0] for p in prompts]
+    alone = [generate(model, p, make_cache("qevict", model, config, max_length=p.shape[1] + 24), 24)[0]
+             for p in prompts]  # 24 steps: three routing events after the prompt's
     texts = [tok.decode(p[0]) for p in prompts]
     batch = tok(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
     assert batch.input_ids[1, 0] == tok.pad_token_id and batch.attention_mask[1].sum() == prompts[1].shape[1]
-    cache = make_cache("qevict", model, config, max_length=batch.input_ids.shape[1] + NEW, batch_size=2, padded=True)
-    assert generate(model, batch.input_ids, cache, attention_mask=batch.attention_mask) == alone
+    cache = make_cache("qevict", model, config, max_length=batch.input_ids.shape[1] + 24, batch_size=2, padded=True)
+    assert generate(model, batch.input_ids, cache, 24, attention_mask=batch.attention_mask) == alone
+    assert cache.summary()["evictions"] > 0
