@@ -7,4 +7,7 @@
 - ``merge``: exact log-sum-exp merge of attention segments and the full-precision segment with its LSE.
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported), which is how CI tests them.
+
+- ``cpu_decode`` (with ``cpu/quant_decode.c``): the CPU's counterpart for decode steps, in C compiled on first use:
+  logits of queries against the packed tier and probability-weighted dequantized values, with PyTorch references.
 """
