@@ -217,6 +217,7 @@ def main(argv=None) -> None:
         QEvictConfig(kernels=spec.partition("@")[2] or "auto")
     lanes = [(spec, b) for spec in specs for m, b in method_lanes([spec.partition("@")[0]], [args.budget])
              if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
+    budget_of = dict(lanes)  # None for methods without a byte budget (fullkv, the quantization baselines)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         runs: dict[str, list[dict]] = {}
@@ -235,8 +236,7 @@ def main(argv=None) -> None:
         for method, res in results.items():
             ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
                       if base and base[k]}
-            budgeted = method.partition("@")[0] not in ("fullkv", "kivi2", "kivi4")
-            rows.append({"method": method, "budget": args.budget if budgeted else None,
+            rows.append({"method": method, "budget": budget_of[method],
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
                          "repeats": args.repeats, **res, **ratios, **meta})
     out = Path(args.out)

@@ -27,12 +27,12 @@ def attend(layer, query: torch.Tensor, query_pos: torch.Tensor, fp_keys: torch.T
     rows = query.float().reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
     quant, owner = layer.quant, layer.owner
     n_quant = quant.k_codes.shape[2]
-    logits = [torch.matmul(rows, fp_keys.float().transpose(2, 3)).mul_(scaling)]  # (B, Hkv, G*L, n)
-    if n_quant:
+    logits = torch.matmul(rows, fp_keys.float().transpose(2, 3)).mul_(scaling)  # (B, Hkv, G*L, n)
+    if n_quant:  # [quantized | full precision], the order of the key positions
         cos, sin = owner.rope_table(fp_keys)
-        logits.insert(0, cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale, quant.k_zero, quant.ids, cos,
-                                                 sin, owner.config.sinks, quant.omega, quant.bits, scaling))
-    logits = torch.cat(logits, dim=-1) if n_quant else logits[0]
+        quant_logits = cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale, quant.k_zero, quant.ids, cos, sin,
+                                               owner.config.sinks, quant.omega, quant.bits, scaling)
+        logits = torch.cat([quant_logits, logits], dim=-1)
     probs = causal_softmax(logits.view(b, hkv, hq // hkv, lq, -1), query_pos, key_pos).view_as(logits)
     out = torch.matmul(probs[..., n_quant:], fp_values.float())  # (B, Hkv, G*L, D)
     if n_quant:
