@@ -212,6 +212,8 @@ def test_stop_keeps_a_queued_run_from_starting_and_a_closed_tab_stops_its_run(st
         time.sleep(0.5)
     assert store.get(busy_id)["status"] == "stopped"
     assert len(store.events(busy_id)) > 0
-    status = wait_done(queued, timeout=60_000)
+    # "Stopped" is already on screen from the click: wait for the queued run's own last word, not for that.
+    wait_text(queued, '#status', 'before it started', 60_000)
+    status = queued.locator("#status").inner_text()
     assert "before it started: nothing was run" in status
     assert sessions_listed(queued) == []
