@@ -50,7 +50,7 @@ def generate_reference(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
 
 
 def replay(model, sequence: torch.Tensor, prompt_len: int, method: str, config: QEvictConfig):
-    cache = make_cache(method, model, config, max_length=sequence.shape[1])
+    cache = make_cache(method, model, config.replace(record_events=True), max_length=sequence.shape[1])
     with torch.inference_mode():
         model(sequence[:, :prompt_len], cache=cache)
         for i in range(prompt_len, sequence.shape[1]):

@@ -23,11 +23,11 @@ from .budget import KVShape, plan_tiers
 from .cache_base import ReportingCache, ReportingLayer
 from .config import QEvictConfig
 from .events import RoutingEvent
-from .layout import gather_seq, window_of_position, window_positions
+from .layout import gather_seq, window_positions
 from .ledger import WindowLedger
-from .rope import Rope
+from .rope import Rope, unrotate
 from .scorers import make_scorer
-from .scoring import attend_with_mass, kv_head_mass, window_mass
+from .scoring import attend_with_mass, kv_head_mass
 from . import cpu_path, fast_path
 from .assemble import assemble
 from .attention import sdpa_with_positions, use_qevict_attention
@@ -110,39 +110,57 @@ class QEvictLayer(ReportingLayer):
             return sdpa_with_positions(module, query, key, value, scaling, dropout)
         scored = self.owner.scorer.needs_attention
         query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
-        key_pos = self.attended_positions() if scored else None
         window = self.owner.config.prefill_window
         if self.owner.kernels == "cpu" and self.owner.step > 0:  # the prompt has no quantized tier yet
-            out, mass = cpu_path.attend(self, query, query_pos, key, value, key_pos if scored else
-                                        self.attended_positions(), scaling)
+            out, mass = cpu_path.attend(self, query, key, value, scaling)
             if scored:
-                self._fold(mass, query.shape[1], key_pos)
+                self._fold(mass, query.shape[1])
         elif self.owner.kernels == "triton" and self.owner.step > 0:
             merged, lse = fast_path.attend(self, query, key, value, scaling)
             out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
             if scored:  # from the LSEs just computed, the quantized tier read in place
-                self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1], key_pos)
+                self._fold(fast_path.key_mass(self, query, query_pos, lse, key, scaling), query.shape[1])
         elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
             # A decode step: one attention pass gives the output and every key's mass.
-            out, mass = attend_with_mass(query, query_pos, key, key_pos, value, scaling)
-            self._fold(mass, query.shape[1], key_pos)
+            out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
+            self._fold(mass, query.shape[1])
         else:
             out = sdpa_with_positions(module, query, key, value, scaling, dropout)
             if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
                 if window and query.shape[2] > window:
                     query, query_pos = query[:, :, -window:], query_pos[-window:]
-                self._fold(kv_head_mass(query, query_pos, key, key_pos, scaling), query.shape[1], key_pos)
+                self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
         if self.owner.schedule.routing_now:
             self._route(key, value, tier_in_keys=self.owner.kernels == "torch")
             self.owner.note_bytes(self.layer_idx)
         return out
 
-    def _fold(self, kv_mass: torch.Tensor, q_heads: int, key_pos: torch.Tensor) -> None:
-        """Per-key mass (B, Hkv, N) of this step's queries on keys at ``key_pos`` (B, N), laid out [quantized |
-        sinks | full | recent], into the score table; Eq. 1 averages over the ``q_heads`` query heads."""
-        key_window = window_of_position(key_pos, *self._grid)
-        mass = window_mass(kv_mass.sum(dim=1) / q_heads, key_window, self.owner.plan.num_windows)
-        self.owner.scorer.fold(self.scores, self.interval, mass)
+    def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
+        """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
+        the score table; Eq. 1 averages over the ``q_heads`` query heads.
+
+        Every tier after the sinks holds whole windows in that order (the recent region's last one may be partial),
+        so a window's mass is a sum over Ω consecutive keys, credited to the tiers' window ids: no per-key positions
+        (building and binning them cost more than the sums on a 4K decode step)."""
+        omega = self.owner.config.omega
+        per_key = kv_mass.sum(dim=1)  # (B, N)
+        b, n_quant = per_key.shape[0], self.quant.num_windows * omega
+        full_start = n_quant + self.sink_k.shape[2]
+        pad = -(per_key.shape[1] - self.sink_k.shape[2]) % omega
+        parts = [per_key[:, :n_quant]] if n_quant else []
+        parts += [per_key[:, full_start:]] + ([per_key.new_zeros(b, pad)] if pad else [])
+        tokens = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        per_window = tokens.reshape(b, tokens.shape[1] // omega, omega).sum(dim=2).div_(q_heads)  # (B, M)
+        self.owner.scorer.fold(self.scores, self.interval, self._fold_ids(per_window.shape[1]), per_window)
+
+    def _fold_ids(self, num: int) -> torch.Tensor:
+        """(B, num) window ids of [quantized | full | recent], rebuilt each step: kept between steps they would be
+        bytes outside the budget."""
+        sinks, omega = self._grid
+        first_recent = (self.recent_start - sinks) // omega
+        n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
+        recent = torch.arange(first_recent, first_recent + n_recent, device=self.full_ids.device, dtype=torch.int32)
+        return torch.cat([self.quant.ids, self.full_ids, recent.expand(self.full_ids.shape[0], -1)], dim=1).long()
 
     def attended_positions(self) -> torch.Tensor:
         """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
@@ -178,7 +196,6 @@ class QEvictLayer(ReportingLayer):
         decision = route_windows(owner.scorer.ranking(self.scores).gather(1, cand_ids.long()), cand_ids,
                                  n_quant, owner.plan.k_full, owner.plan.k_quant, owner.config.promotion)
         old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
-        records = self.quant.cat(self.dormant) if self.dormant is not None else self.quant
         quant_starts = torch.arange(n_quant, device=keys.device) * omega
         if not tier_in_keys and n_quant:
             promoted = decision.full[decision.full < n_quant].unique()  # slots that some row promotes
@@ -195,21 +212,30 @@ class QEvictLayer(ReportingLayer):
         full_tok = _token_index(starts, decision.full, omega)
         self.full_k, self.full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
         self.full_ids = cand_ids.gather(1, decision.full)
-        if self.dormant is not None:
-            self.dormant = _select_records(records, decision.full, self.full_k)
-            self.dormant_valid = has_record.gather(1, decision.full)
 
-        quant = _select_records(records, decision.quant, keys)
+        # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
+        # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
+        # demoted ones without a dormant record). One copy joins them and one selection per tier picks from it.
+        records = [self.quant] + ([self.dormant] if self.dormant is not None else [])
+        n_records = sum(r.num_windows for r in records)
+        quant_idx = decision.quant
         need = ~has_record.gather(1, decision.quant)
         if need.any():
-            slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :int(need.sum(1).max())]
+            m = int(need.sum(1).max())
+            slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :m]
             chosen = decision.quant.gather(1, slots)
             tok = _token_index(starts, chosen, omega)
-            ids = cand_ids.gather(1, chosen)
-            pre_rope = owner.rope.unrotate(gather_seq(keys, tok), window_positions(ids, sinks, omega))
-            fresh = WindowLedger.quantize(pre_rope, gather_seq(values, tok), ids, omega, owner.config.bits)
-            quant = quant.overwrite(slots, need.gather(1, slots), fresh)
-        self.quant = quant
+            positions = window_positions(cand_ids.gather(1, chosen), sinks, omega)
+            pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
+            records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
+                                                 omega, owner.config.bits))
+            fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
+            quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
+        joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
+        if self.dormant is not None:
+            self.dormant = _select_records(joined, decision.full, self.full_k)
+            self.dormant_valid = has_record.gather(1, decision.full)
+        self.quant = _select_records(joined, quant_idx, keys)
         # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
         self.recent_k = self.recent_k[:, :, num_aged * omega:].clone()
         self.recent_v = self.recent_v[:, :, num_aged * omega:].clone()
@@ -321,6 +347,13 @@ class QEvictCache(ReportingCache):
         b, n = positions.shape
         flat = positions.reshape(-1)
         return (cos.index_select(0, flat).view(b, 1, n, -1), sin.index_select(0, flat).view(b, 1, n, -1))
+
+    def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, N, D) for ``positions`` (B, N): rows of this forward's table when a layer already built
+        it (decode on the CPU), else from the rotary module (the same numbers; no table of every position)."""
+        if self._rope_table is not None:
+            return self.rope_rows(like, positions)
+        return self.rope.cos_sin(like, positions)
 
     def note_workspace(self, nbytes: int) -> None:
         table = sum(t.nbytes for t in self._rope_table) if self._rope_table is not None else 0

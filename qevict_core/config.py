@@ -32,7 +32,9 @@ class QEvictConfig:
                   literal sum of Eq. 1 over the prompt). See docs/engine.md for the measurement behind the default.
     decay:        λ of the ``decay`` scorer.
     p:            exponent of the ``pnorm`` scorer.
-    record_events: keep per-layer routing events on the cache (the studio and diagnostics read them).
+    record_events: keep per-layer routing events on the cache for ``drain_events`` (the studio and the
+                  diagnostics turn it on). Off by default: the events are Python objects outside the byte budget,
+                  and building them took ~10% of a routing event on a 4K CPU decode.
     kernels:      "auto" (Triton kernels on CUDA, the C kernel on a float32 CPU model when a C compiler builds it),
                   "triton" (forced; on CPU under TRITON_INTERPRET=1), "cpu" (the C kernel, forced) or "torch"
                   (the quantized tier rebuilt in full precision every step).
@@ -53,7 +55,7 @@ class QEvictConfig:
     prefill_window: int = 32
     decay: float = 0.99
     p: float = 3.0
-    record_events: bool = True
+    record_events: bool = False
     kernels: str = "auto"
     k_full: int | None = None
     k_quant: int | None = None

@@ -15,13 +15,12 @@ import torch
 
 from kernels import cpu_decode
 
-from .scoring import causal_softmax
 
-
-def attend(layer, query: torch.Tensor, query_pos: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
-           key_pos: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent]; key_pos (B, N) positions of
-    [quantized | sinks | full | recent]. -> out (B, L, Hq, D) in the query dtype, mass (B, Hkv, N) float32."""
+def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,
+           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent], whose last L keys are the
+    queries' own tokens. -> out (B, L, Hq, D) in the query dtype, mass (B, Hkv, N) float32 over the keys
+    [quantized | sinks | full | recent]."""
     b, hq, lq, d = query.shape
     hkv = fp_keys.shape[1]
     rows = query.float().reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
@@ -33,7 +32,10 @@ def attend(layer, query: torch.Tensor, query_pos: torch.Tensor, fp_keys: torch.T
         quant_logits = cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale, quant.k_zero, quant.ids, cos, sin,
                                                owner.config.sinks, quant.omega, quant.bits, scaling)
         logits = torch.cat([quant_logits, logits], dim=-1)
-    probs = causal_softmax(logits.view(b, hkv, hq // hkv, lq, -1), query_pos, key_pos).view_as(logits)
+    if lq > 1:  # only the queries' own tokens can be later than a query: the last L keys, bottom-right causal
+        later = torch.ones(lq, lq, dtype=torch.bool, device=logits.device).triu_(1)
+        logits.view(b, hkv, hq // hkv, lq, -1)[..., -lq:].masked_fill_(later, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     out = torch.matmul(probs[..., n_quant:], fp_values.float())  # (B, Hkv, G*L, D)
     if n_quant:
         out += cpu_decode.quant_values(probs, quant.v_codes, quant.v_scale, quant.v_zero, quant.bits)

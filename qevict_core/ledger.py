@@ -110,21 +110,12 @@ class WindowLedger:
             picked[name] = rows.reshape(*rows.shape[:2], -1, getattr(self, name).shape[3])
         return WindowLedger(**picked, omega=self.omega, bits=self.bits)
 
-    def cat(self, other: WindowLedger) -> WindowLedger:
-        joined = {"ids": torch.cat([self.ids, other.ids], dim=1)}
-        joined.update({name: torch.cat([getattr(self, name), getattr(other, name)], dim=2) for name in _SEQ_FIELDS})
+    def cat(self, *others: WindowLedger) -> WindowLedger:
+        """Windows of ``self`` then of each of ``others``, in one copy."""
+        parts = (self, *others)
+        joined = {"ids": torch.cat([part.ids for part in parts], dim=1)}
+        joined.update({name: torch.cat([getattr(part, name) for part in parts], dim=2) for name in _SEQ_FIELDS})
         return WindowLedger(**joined, omega=self.omega, bits=self.bits)
-
-    def overwrite(self, slots: torch.Tensor, take: torch.Tensor, fresh: WindowLedger) -> WindowLedger:
-        """Write ``fresh``'s windows into ``slots`` (B, m) where ``take`` (B, m) is true; others stay as they are."""
-        slots = slots.long()
-        out = {"ids": self.ids.scatter(1, slots, torch.where(take, fresh.ids, self.ids.gather(1, slots)))}
-        for name in _SEQ_FIELDS:
-            mine, new = self._by_window(name), fresh._by_window(name)
-            merged = torch.where(take[:, None, :, None], new, gather_seq(mine, slots))
-            rows = mine.scatter(2, slots[:, None, :, None].expand_as(merged), merged)
-            out[name] = rows.reshape(*rows.shape[:2], -1, getattr(self, name).shape[3])
-        return WindowLedger(**out, omega=self.omega, bits=self.bits)
 
     def _by_window(self, name: str) -> torch.Tensor:
         """A field as one row per window, (B, H, n, Ω·X) for per-token fields: moving whole windows indexes n rows

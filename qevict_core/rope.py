@@ -52,5 +52,9 @@ class Rope:
 
     def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Exact inverse of :meth:`rotate`, also when the rotary module scales cos and sin (cos² + sin² ≠ 1)."""
-        cos, sin = self.cos_sin(keys, positions)
-        return (keys * cos - _rotate_half(keys) * sin) / (cos * cos + sin * sin)
+        return unrotate(keys, *self.cos_sin(keys, positions))
+
+
+def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:meth:`Rope.unrotate` with cos/sin given, e.g. rows of :meth:`Rope.table` (the same numbers)."""
+    return (keys * cos - _rotate_half(keys) * sin) / (cos * cos + sin * sin)

@@ -22,9 +22,10 @@ class Scorer:
     needs_attention = True
     keeps_interval = False
 
-    def fold(self, table: torch.Tensor, interval: torch.Tensor | None, mass: torch.Tensor) -> None:
-        """Add one step's attention mass (B, W), in place: S_t = S_{t-Ω} + u_t, built up step by step."""
-        table.add_(mass)
+    def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
+        """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
+        S_t = S_{t-Ω} + u_t, built up step by step."""
+        table.scatter_add_(1, ids, mass)
 
     def settle(self, table: torch.Tensor, interval: torch.Tensor | None) -> None:
         """Before a routing event ranks the table."""
@@ -62,8 +63,8 @@ class PNormScorer(Scorer):
     p: float = 3.0
     keeps_interval = True
 
-    def fold(self, table, interval, mass):
-        interval.add_(mass)
+    def fold(self, table, interval, ids, mass):
+        interval.scatter_add_(1, ids, mass)
 
     def settle(self, table, interval):
         table.add_(interval.pow(self.p))
@@ -85,7 +86,7 @@ class KeyNormScorer(Scorer):
         per_window = -norms.mean(dim=(1, 3))  # (B, n)
         table.scatter_(1, window_ids.long().expand(b, -1), per_window)
 
-    def fold(self, table, interval, mass):
+    def fold(self, table, interval, ids, mass):
         raise RuntimeError("keynorm needs no attention mass")
 
 

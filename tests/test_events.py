@@ -11,7 +11,7 @@ from tests.test_equivalence import _Tok
 
 def test_every_streamed_event_survives_json():
     model = tiny_model()
-    lanes = [Lane(m, make_cache(m, model, QEvictConfig(budget=0.3), max_length=420)) for m in ("qevict", "snapkv")]
+    lanes = [Lane(m, make_cache(m, model, QEvictConfig(budget=0.3, record_events=True), max_length=420)) for m in ("qevict", "snapkv")]
     events = list(generate_lanes(model, _Tok(), random_prompt(400), lanes, Sampling(max_new_tokens=20)))
     assert {e.kind for e in events} == {"token", "memory", "routing", "done"}
     for event in events:

@@ -79,7 +79,7 @@ def test_ledger_layout_and_bytes(bits):
     assert measured == 3 * quant_window_bytes(shape, 8, bits)
 
 
-def test_select_cat_overwrite_move_records_without_changing_them():
+def test_select_and_cat_move_records_without_changing_them():
     keys, values = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
     ledger = WindowLedger.quantize(keys, values, torch.tensor([[10, 11, 12, 13]]), omega=8, bits=2)
     picked = ledger.select(torch.tensor([[2, 0]]))
@@ -87,13 +87,11 @@ def test_select_cat_overwrite_move_records_without_changing_them():
     k_all, _ = ledger.dequantize()
     k_picked, _ = picked.dequantize()
     assert torch.equal(k_picked[:, :, :8], k_all[:, :, 16:24])
-    joined = picked.cat(ledger.select(torch.tensor([[3]])))
-    assert joined.ids.tolist() == [[12, 10, 13]]
     fresh = WindowLedger.quantize(torch.ones(1, 2, 8, 16), torch.ones(1, 2, 8, 16), torch.tensor([[99]]), 8, 2)
-    written = joined.overwrite(torch.tensor([[1]]), torch.tensor([[True]]), fresh)
-    assert written.ids.tolist() == [[12, 99, 13]]
-    k_written, _ = written.dequantize()
-    assert torch.equal(k_written[:, :, 8:16], torch.ones(1, 2, 8, 16))
-    assert torch.equal(k_written[:, :, :8], k_picked[:, :, :8])
-    untouched = joined.overwrite(torch.tensor([[1]]), torch.tensor([[False]]), fresh)
-    assert untouched.ids.tolist() == [[12, 10, 13]]
+    joined = picked.cat(ledger.select(torch.tensor([[3]])), fresh)
+    assert joined.ids.tolist() == [[12, 10, 13, 99]]
+    k_joined, v_joined = joined.dequantize()
+    assert torch.equal(k_joined[:, :, :16], k_picked)
+    assert torch.equal(k_joined[:, :, 16:24], k_all[:, :, 24:32])
+    assert torch.equal(k_joined[:, :, 24:], torch.ones(1, 2, 8, 16))
+    assert torch.equal(v_joined[:, :, 24:], torch.ones(1, 2, 8, 16))

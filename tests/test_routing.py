@@ -20,7 +20,7 @@ class Driver:
     def __init__(self, promotion=True, k_full=3, k_quant=5):
         self.model = tiny_model("llama", 2)
         config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, promotion=promotion,
-                              prefill_window=0)
+                              prefill_window=0, record_events=True)
         self.cache = make_cache("qevict", self.model, config, max_length=400)
         self.cache.plan = dataclasses.replace(self.cache.plan, k_full=k_full, k_quant=k_quant,
                                               keeps_dormant=promotion, uncompressed=False)

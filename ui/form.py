@@ -105,7 +105,8 @@ def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_fr
         raise ValueError(readable(err)) from None
     chosen = tuple(m for m in form.lanes if m and m != NO_LANE)
     config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, bits=form.bits, sinks=form.sinks,
-                          recent=form.recent, scorer=form.scorer, promotion=form.promotion)
+                          recent=form.recent, scorer=form.scorer, promotion=form.promotion,
+                          record_events=True)
     sampling = Sampling(max_new_tokens=form.max_new_tokens, temperature=form.temperature, seed=form.seed)
     return RunRequest(form.prompt, chosen, config, sampling, form.expected.strip())
 
