@@ -15,7 +15,7 @@ are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); 
 (t_end - t_start); routing overhead = (median routing step - median plain step) / Ω, as a share of the plain step.
 The warm-up runs the method it times, on a prompt of at most 1024 tokens. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
-its level after loading the model and warming up, sampled every 2 ms. KV bytes are the cache's measured bytes
+its level after loading the model and warming up, from the kernel's high-water mark (``PeakRSS``). KV bytes are the cache's measured bytes
 (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
 
 glibc's allocator keeps freed blocks for reuse, and after a large block is freed it raises its mmap threshold, so
@@ -70,16 +70,24 @@ def load(model_name: str | None, device: str | None, threads: int | None):
 
 
 class PeakRSS:
-    """Samples the process resident set size in a thread; ``peak`` is the maximum above the starting level."""
+    """Peak resident set size above the starting level, from the kernel's high-water mark (``VmHWM``), reset at
+    the start by writing 5 to ``/proc/self/clear_refs``: exact, and nothing runs beside the timed code. Where that
+    is unavailable (not Linux), a thread samples the RSS every 2 ms; a sampling thread takes the GIL from the
+    timed loop, which costs a method in proportion to its Python work, so it is only the fallback."""
 
     def __init__(self, interval: float = 0.002):
         self.interval, self.process = interval, psutil.Process()
+        self._thread = None
 
     def __enter__(self):
         self.base = self.high = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.base = _high_water_mark()
+        except (OSError, ValueError):
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
         return self
 
     def _run(self):
@@ -88,9 +96,20 @@ class PeakRSS:
             time.sleep(self.interval)
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        if self._thread is None:
+            self.high = _high_water_mark()
+        else:
+            self._stop.set()
+            self._thread.join()
         self.peak = self.high - self.base
+
+
+def _high_water_mark() -> int:
+    """Peak RSS in bytes since the last reset (``VmHWM`` of /proc/self/status); ValueError when absent."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError("no VmHWM in /proc/self/status")
 
 
 def release_free_memory() -> None:

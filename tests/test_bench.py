@@ -170,6 +170,16 @@ def test_speed_smoke(tmp_path):
         speed.main(["--model", "tiny", "--methods", "qevict@gpu", "--contexts", "512", "--out", str(tmp_path)])
 
 
+def test_peak_rss_sees_a_buffer_freed_before_the_end():
+    import torch
+
+    with speed.PeakRSS() as rss:
+        buffer = torch.ones(64 * 2**20 // 4)  # 64 MiB, written, then freed inside the block
+        del buffer
+    assert rss._thread is None  # the kernel's high-water mark, no sampling thread (Linux)
+    assert 60 * 2**20 <= rss.peak <= 120 * 2**20
+
+
 def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0")  # recorded, so the value the run sets is undone afterwards
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
