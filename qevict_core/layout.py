@@ -27,7 +27,3 @@ def window_positions(window_ids: torch.Tensor, sinks: int, omega: int) -> torch.
     """(B, n) window ids -> (B, n * Ω) absolute token positions."""
     return window_token_index(window_ids.long(), omega) + sinks
 
-
-def window_of_position(positions: torch.Tensor, sinks: int, omega: int) -> torch.Tensor:
-    """Absolute positions -> window ids; sink positions map to -1."""
-    return torch.where(positions >= sinks, torch.div(positions - sinks, omega, rounding_mode="floor"), -1)

@@ -78,10 +78,3 @@ def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.T
     out = out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)  # (B, q, Hq, D): head h reads KV head h // G
     return out, probs.sum(dim=(2, 3))
 
-
-def window_mass(key_mass: torch.Tensor, key_window: torch.Tensor, num_windows: int) -> torch.Tensor:
-    """(B, N) per-key mass and (B, N) window ids (-1 for sinks) -> (B, num_windows) per-window mass."""
-    bins = torch.where(key_window >= 0, key_window, num_windows).long()
-    out = torch.zeros(key_mass.shape[0], num_windows + 1, dtype=key_mass.dtype, device=key_mass.device)
-    out.scatter_add_(1, bins, key_mass)
-    return out[:, :num_windows]

@@ -11,8 +11,7 @@ from transformers import AttentionInterface
 
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.attention import qevict_attention
-from qevict_core.layout import window_of_position
-from qevict_core.scoring import kv_head_mass, window_mass
+from qevict_core.scoring import kv_head_mass
 from tests.conftest import random_prompt, tiny_model
 
 RECORDER = "qevict_replay_recorder"
@@ -60,13 +59,21 @@ class Replay:
         if layer.owner.kernels != "torch":  # the step read the quantized tier in place: replay against it too
             keys, _ = layer._with_quantized([keys], [keys])
         mass = key_attention_mass(query, query_pos, keys, key_pos, scaling)
-        u = window_mass(mass, window_of_position(key_pos, *layer._grid), self.cache.plan.num_windows)
+        u = window_mass(mass, key_pos, *layer._grid, self.cache.plan.num_windows)
         before = self.after_event[layer.layer_idx]
         if self.scorer == "cumulative":
             return before + u
         if self.scorer == "decay":  # the table after an event already carries λ for the next interval
             return self.decay * (before + u)
         return before + u.pow(self.p)
+
+
+def window_mass(key_mass, key_pos, sinks: int, omega: int, num_windows: int):
+    """(B, N) per-key mass at absolute positions (B, N) -> (B, num_windows), binned by each key's window (sinks,
+    before window 0, dropped): the position-based binning the engine used before it summed tiers by layout."""
+    window = torch.where(key_pos >= sinks, torch.div(key_pos - sinks, omega, rounding_mode="floor"), num_windows)
+    out = torch.zeros(key_mass.shape[0], num_windows + 1, dtype=key_mass.dtype)
+    return out.scatter_add_(1, window.long(), key_mass)[:, :num_windows]
 
 
 def run_with_replay(model, config, prompt_len: int, steps: int, vocab: int = 256) -> Replay:
