@@ -15,8 +15,8 @@ are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); 
 (t_end - t_start); routing overhead = (median routing step - median plain step) / Ω, as a share of the plain step.
 The warm-up runs the method it times, on a prompt of at most 1024 tokens. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
-its level after loading the model and warming up, from the kernel's high-water mark (``PeakRSS``). KV bytes are the cache's measured bytes
-(``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
+its level after loading the model and warming up, from the kernel's high-water mark (``PeakRSS``). KV bytes are
+the cache's measured bytes (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
 
 glibc's allocator keeps freed blocks for reuse, and after a large block is freed it raises its mmap threshold, so
 large buffers freed during a prefill can stay resident: peak RSS then measures the allocator as well as the

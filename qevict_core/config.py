@@ -34,7 +34,7 @@ class QEvictConfig:
     p:            exponent of the ``pnorm`` scorer.
     record_events: keep per-layer routing events on the cache for ``drain_events`` (the studio and the
                   diagnostics turn it on). Off by default: the events are Python objects outside the byte budget,
-                  and building them took ~10% of a routing event on a 4K CPU decode.
+                  and building them is a visible share of a routing event on a CPU decode.
     kernels:      "auto" (Triton kernels on CUDA, the C kernel on a float32 CPU model when a C compiler builds it),
                   "triton" (forced; on CPU under TRITON_INTERPRET=1), "cpu" (the C kernel, forced) or "torch"
                   (the quantized tier rebuilt in full precision every step).
