@@ -51,6 +51,8 @@ class RoutingSchedule:
 
 
 class QEvictLayer(ReportingLayer):
+    head: int | None = None  # the KV head this layer holds alone (head_cache.py); None: every head of the layer
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
         b, h, _, d = key_states.shape
@@ -100,12 +102,15 @@ class QEvictLayer(ReportingLayer):
         return self.owner.config.sinks, self.owner.config.omega
 
     def attend(self, module, query, key, value, scaling, dropout):
-        out = self._attend(module, query, key, value, scaling, dropout)
+        out = self.attend_and_score(module, query, key, value, scaling, dropout)
+        if self.owner.routed():
+            self.route(key, value)
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
 
-    def _attend(self, module, query, key, value, scaling, dropout):
+    def attend_and_score(self, module, query, key, value, scaling, dropout):
+        """This step's attention output, its mass folded into the score table; no routing."""
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
             return sdpa_with_positions(module, query, key, value, scaling, dropout)
         scored = self.owner.scorer.needs_attention
@@ -130,10 +135,24 @@ class QEvictLayer(ReportingLayer):
                 if window and query.shape[2] > window:
                     query, query_pos = query[:, :, -window:], query_pos[-window:]
                 self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
-        if self.owner.schedule.routing_now:
-            self._route(key, value, tier_in_keys=self.owner.kernels == "torch")
-            self.owner.note_bytes(self.layer_idx)
         return out
+
+    def route(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A routing event on what ``update`` returned (called when ``owner.routed()``)."""
+        self.settle()
+        self.move(key, value)
+
+    def settle(self) -> None:
+        """Finish the score table for ranking: the scorer's interval, then the windows leaving the recent region."""
+        self.owner.scorer.settle(self.scores, self.interval)
+        aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
+        if aged.shape[1]:
+            self.owner.scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self._grid[1]])
+
+    def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rank the settled candidates and move windows between tiers."""
+        self._route(key, value, tier_in_keys=self.owner.kernels == "torch")
+        self.owner.note_bytes(self.layer_idx)
 
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
         """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
@@ -180,21 +199,17 @@ class QEvictLayer(ReportingLayer):
         """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
         when the step read it in place (then only the windows that some row promotes get dequantized)."""
         owner, (sinks, omega) = self.owner, self._grid
-        owner.scorer.settle(self.scores, self.interval)
-        first_recent = (self.recent_start - sinks) // omega
-        num_aged = max(0, (self.seen - owner.config.recent - sinks) // omega - first_recent)
-        aged_ids = torch.arange(first_recent, first_recent + num_aged, device=keys.device, dtype=torch.int32)
-        aged_ids = aged_ids.expand(keys.shape[0], -1)
-        if num_aged:
-            owner.scorer.on_aged(self.scores, aged_ids, self.recent_k[:, :, :num_aged * omega])
         n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
-        cand_ids = torch.cat([self.quant.ids, self.full_ids, aged_ids], dim=1)
+        cand_ids = self.candidates()
+        aged_ids = cand_ids[:, n_quant + n_full:]
+        num_aged = aged_ids.shape[1]
         has_record = torch.cat([torch.ones_like(self.quant.ids, dtype=torch.bool),
                                 self.dormant_valid if self.dormant is not None
                                 else torch.zeros_like(self.full_ids, dtype=torch.bool),
                                 torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
-        decision = route_windows(owner.scorer.ranking(self.scores).gather(1, cand_ids.long()), cand_ids,
-                                 n_quant, owner.plan.k_full, owner.plan.k_quant, owner.config.promotion)
+        k_full, k_quant = self.capacities()
+        decision = route_windows(self.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
+                                 owner.config.promotion)
         old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
         quant_starts = torch.arange(n_quant, device=keys.device) * omega
         if not tier_in_keys and n_quant:
@@ -245,6 +260,21 @@ class QEvictLayer(ReportingLayer):
             owner.events.append(self._event(old, aged_ids[0].tolist()))
         owner.scorer.carry(self.scores)
 
+    def capacities(self) -> tuple[int, int]:
+        """(K_f, K_q) of this layer at its next routing event."""
+        return self.owner.plan.k_full, self.owner.plan.k_quant
+
+    def candidates(self) -> torch.Tensor:
+        """(B, C) window ids that the next routing event will rank: [quantized | full | aging out of recent]."""
+        sinks, omega = self._grid
+        first_recent = (self.recent_start - sinks) // omega
+        num_aged = max(0, (self.seen - self.owner.config.recent - sinks) // omega - first_recent)
+        aged = torch.arange(first_recent, first_recent + num_aged, device=self.full_ids.device, dtype=torch.int32)
+        return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
+
+    def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
+        return self.owner.scorer.ranking(self.scores).gather(1, cand_ids.long())
+
     def _event(self, old, aged: list[int]) -> RoutingEvent:
         old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
         full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
@@ -256,7 +286,8 @@ class QEvictLayer(ReportingLayer):
         ranking = self.owner.scorer.ranking(self.scores[0])
         values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
         return RoutingEvent(
-            lane="", step=self.owner.step, layer=self.layer_idx, seen=self.seen, recent_start=self.recent_start,
+            lane="", step=self.owner.step, layer=self.layer_idx, head=self.head, seen=self.seen,
+            recent_start=self.recent_start,
             full=full, quantized=quant,
             promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
             admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
@@ -315,13 +346,20 @@ class QEvictCache(ReportingCache):
         shape = KVShape.from_model(model, batch_size)
         param = next(model.parameters())
         self.kernels = fast_path.kernel_path(config.kernels, param.device, param.dtype)
-        self.plan = plan_tiers(shape, config, max_length, interval_table=self.scorer.keeps_interval)
+        self.plan = plan_tiers(self.plan_shape(shape), config, max_length, interval_table=self.scorer.keeps_interval)
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
         self._moves: torch.Tensor | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        layers = [QEvictLayer(i, self) for i in range(shape.num_layers)]
+        layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
+
+    def plan_shape(self, shape: KVShape) -> KVShape:
+        """The unit that ``plan_tiers`` sizes: one layer of every KV head (routing decides per layer)."""
+        return shape
+
+    def make_layer(self, layer_idx: int, shape: KVShape) -> ReportingLayer:
+        return QEvictLayer(layer_idx, self)
 
     def begin_forward(self, num_tokens: int) -> None:
         self.schedule.begin_forward(num_tokens)

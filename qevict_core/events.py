@@ -28,7 +28,8 @@ class TokenEvent:
 class RoutingEvent:
     """One layer's routing decision. ``full``/``quantized`` list the window ids in each tier after the event;
     ``promoted`` went Q->F, ``demoted`` F->Q, ``evicted`` left the cache at this event; ``admitted`` are windows
-    that left the recent region (with their new tier). Windows at positions >= ``recent_start`` are recent."""
+    that left the recent region (with their new tier). Windows at positions >= ``recent_start`` are recent.
+    ``head``: the KV head routed on its own (``qevict_head``); None when one decision covers every head."""
 
     lane: str
     step: int
@@ -42,6 +43,7 @@ class RoutingEvent:
     evicted: list[int]
     admitted: dict[int, str] = field(default_factory=dict)
     scores: dict[int, float] = field(default_factory=dict)
+    head: int | None = None
     kind: str = "routing"
 
     def to_dict(self) -> dict:

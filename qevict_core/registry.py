@@ -15,6 +15,7 @@ from .cache_base import ReportingCache
 from .config import QEvictConfig
 from .eviction import EvictionCache
 from .fullkv import FullKVCache
+from .head_cache import HeadwiseQEvictCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
 from .padded import RowCache
@@ -58,6 +59,10 @@ def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[...
     return build
 
 
+def _qevict_head(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+    return HeadwiseQEvictCache(model, config, max_length, batch_size)
+
+
 def _evict(name: str, make_policy: Callable[[QEvictConfig], Policy]) -> Callable[..., ReportingCache]:
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
         return EvictionCache(model, config, max_length, batch_size, make_policy(config), name)
@@ -89,6 +94,10 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_paper": MethodSpec(_qevict("qevict_paper", prefill_window=0), "QEvict, the paper's preset "
                                "(QEvictConfig.paper()): prefill scores summed over every prompt query (Eq. 1) instead "
                                "of the last 32.", "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict"),
+    "qevict_head": MethodSpec(_qevict_head, "QEvict routed per KV head: each head ranks its own windows by its query "
+                              "group's attention, and each routing event splits the layer's full and low-bit slots "
+                              "over heads AdaKV-style (floor α = 0.2).", "arXiv 2608.05326 + Feng et al. 2024 "
+                              "(AdaKV); see qevict_core/head_cache.py", "qevict"),
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
                                  "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),

@@ -124,6 +124,7 @@ class RoutingDoc(BaseModel):
     lane: LaneName
     step: Step
     layer: Annotated[int, Field(ge=0, le=1024)]
+    head: Annotated[int, Field(ge=0, le=1024)] | None = None
     seen: Annotated[int, Field(ge=0, le=10**7)]
     recent_start: Annotated[int, Field(ge=0, le=10**7)]
     full: Windows

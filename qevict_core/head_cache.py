@@ -1,0 +1,168 @@
+"""Head-adaptive QEvict (``qevict_head``): windows routed per KV head, under one byte budget per layer.
+
+QEvict ranks a layer's windows by the mean attention of all its query heads, so every KV head keeps the same
+windows. Here each KV head is a QEvict layer of its own - one KV head and its G query heads (GQA-aware) - with its
+own score table (Eq. 1 averaged over its group), tiers, dormant ledger and routing decisions. Storage is per head,
+so a head holding more windows than another really holds more bytes, and less is really freed elsewhere.
+
+Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
+ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's
+H·K_f full and H·K_q quantized slots are split over its heads, AdaKV-style: each head first gets its
+best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = 0.2), then the remaining slots go to the
+best-ranked remaining windows of the whole layer, whichever head they belong to (one top-k across heads; on equal
+ranks the better slot within its head first, then the lower head, so identical heads get identical shares). The
+quantized split runs on what each head's full tier leaves. Every window of every head costs the same bytes, so the
+layer's bytes are those of H heads at K_f and K_q, within the budget; heads whose allocation shrinks move first, so
+the layer never holds more than before or after the event, even between two heads' moves.
+
+Where this departs from AdaKV (FFY0/AdaKV, ``adaptive_snapkv``): AdaKV splits a token budget once, at the end of
+prefill, from SnapKV's pooled observation-window scores, as ``floor + (1 - α)·(share of one top-k over all heads)``.
+Here the units are windows, the scores are QEvict's cumulative attention, both tiers are split, and the split is
+redone at every routing event, so a head's capacity follows where its attention goes while decoding. Batch size 1
+(as the ragged eviction baselines): padded batches run one cache per row (``make_cache(..., padded=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .budget import KVShape
+from .cache import QEvictCache, QEvictLayer
+from .cache_base import ReportingLayer
+from .config import QEvictConfig
+
+FLOOR = 0.2  # α: AdaKV's default share of the uniform capacity that every head keeps
+
+
+class HeadLayer(QEvictLayer):
+    """One KV head of one layer, routed on its own; ``allotted`` is its (K_f, K_q) for the next routing event."""
+
+    def __init__(self, layer_idx: int, owner: QEvictCache, head: int):
+        super().__init__(layer_idx, owner)
+        self.head = head
+        self.allotted = (owner.plan.k_full, owner.plan.k_quant)
+
+    def capacities(self) -> tuple[int, int]:
+        return self.allotted
+
+
+class HeadwiseLayer(ReportingLayer):
+    """The KV heads of one layer, each a :class:`HeadLayer`; attention runs head group by head group."""
+
+    def __init__(self, layer_idx: int, owner: HeadwiseQEvictCache, kv_heads: int):
+        super().__init__(layer_idx, owner)
+        self.heads = [HeadLayer(layer_idx, owner, h) for h in range(kv_heads)]
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def lazy_initialization(self, key_states, value_states):
+        self.is_initialized = True
+
+    def append(self, key_states, value_states):
+        # (B, H, n, D) -> H heads of (B, 1, n, D); each copies what it keeps.
+        self._parts = [head.update(key_states[:, h:h + 1], value_states[:, h:h + 1])
+                       for h, head in enumerate(self.heads)]
+        # Every head's attended keys are alive together until attention has run.
+        self.owner.note_workspace(sum(k.nbytes + v.nbytes for k, v in self._parts))
+        return key_states, value_states  # a handle: attention reads the heads' parts
+
+    def attend(self, module, query, key, value, scaling, dropout):
+        parts, self._parts = self._parts, []
+        g = query.shape[1] // len(self.heads)
+        outs = []
+        for h, (head, (k, v)) in enumerate(zip(self.heads, parts)):
+            head.claim(k)  # drops the head's reference to its keys once this step is done with them
+            outs.append(head.attend_and_score(module, query[:, h * g:(h + 1) * g], k, v, scaling, dropout))
+        if self.owner.routed():
+            for head in self.heads:
+                head.settle()
+            moves = self.owner.allot(self.heads)
+            for h in moves:
+                self.heads[h].move(*parts[h])
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        return torch.cat(outs, dim=2)  # (B, L, Hq, D): head h's group of query heads in place
+
+    def resident_bytes(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for head in self.heads:
+            for name, nbytes in head.resident_bytes().items():
+                total[name] = total.get(name, 0) + nbytes
+        return total
+
+    def tier_counts(self) -> dict[str, int]:
+        """Tokens per tier, mean over heads (the unit of every other method's counts: tokens of one head)."""
+        counts = [head.tier_counts() for head in self.heads]
+        return {name: round(sum(c[name] for c in counts) / len(counts)) for name in counts[0]}
+
+
+def split_capacity(ranks: list[torch.Tensor], total: int, floor: int) -> list[int]:
+    """ranks[h]: (C_h,) ranks of head h's candidates, best first. -> slots per head, summing to at most ``total``:
+    each head first gets min(floor, C_h), then one top-k across heads of the rest takes what is left."""
+    heads = len(ranks)
+    counts = [min(floor, r.numel()) for r in ranks]
+    width = max(r.numel() - c for r, c in zip(ranks, counts))
+    left = min(total - sum(counts), sum(r.numel() for r in ranks) - sum(counts))
+    if left <= 0 or width == 0:
+        return counts
+    pool = ranks[0].new_full((width, heads), float("-inf"))  # (slot, head): slot-major ties
+    for h, (r, c) in enumerate(zip(ranks, counts)):
+        pool[:r.numel() - c, h] = r[c:]
+    flat = pool.flatten()
+    chosen = flat.sort(descending=True, stable=True).indices[:left]
+    chosen = chosen[flat[chosen] > float("-inf")]  # padding never counts (only reachable with -inf ranks)
+    extra = torch.bincount(chosen % heads, minlength=heads).tolist()
+    return [c + e for c, e in zip(counts, extra)]
+
+
+class HeadwiseQEvictCache(QEvictCache):
+    """QEvict with per-KV-head routing and an adaptive split of each layer's capacities (module docstring)."""
+
+    method = "qevict_head"
+
+    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1, floor: float = FLOOR):
+        if batch_size != 1:
+            raise ValueError(f"qevict_head routes each head of each sequence separately and runs batch size 1 "
+                             f"(got {batch_size}); for a batch use make_cache(..., padded=True)")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor must lie in [0, 1] (got {floor!r})")
+        self.floor = floor
+        super().__init__(model, config, max_length, batch_size)
+
+    def plan_shape(self, shape: KVShape) -> KVShape:
+        """One KV head with its G query heads is the unit: H times as many of them as layers."""
+        return dataclasses.replace(shape, num_layers=shape.num_layers * shape.num_kv_heads, num_kv_heads=1,
+                                   num_q_heads=shape.num_q_heads // shape.num_kv_heads)
+
+    def make_layer(self, layer_idx: int, shape: KVShape) -> ReportingLayer:
+        return HeadwiseLayer(layer_idx, self, shape.num_kv_heads)
+
+    def allot(self, heads: list[HeadLayer]) -> list[int]:
+        """Split the layer's H·K_f and H·K_q over its (settled) heads; -> the order in which heads must move:
+        those whose windows shrink in bytes first."""
+        plan, promotion = self.plan, self.config.promotion
+        full_ranks, rest_ranks = [], []
+        for head in heads:
+            ranks = head.candidate_ranks(head.candidates())[0]  # batch row 0: batch size is 1
+            n_quant = head.quant.num_windows
+            eligible = ranks if promotion else ranks[n_quant:]
+            full_ranks.append(eligible.sort(descending=True).values)
+            rest_ranks.append(ranks[:n_quant] if not promotion else ranks[:0])
+        k_full = split_capacity(full_ranks, len(heads) * plan.k_full, int(self.floor * plan.k_full))
+        rest = [torch.cat([r, f[k:]]).sort(descending=True).values
+                for r, f, k in zip(rest_ranks, full_ranks, k_full)]
+        k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.floor * plan.k_quant))
+        growth = []
+        for h, head in enumerate(heads):
+            growth.append((k_full[h] - head.full_ids.shape[1]) * plan.full_window_bytes
+                          + (k_quant[h] - head.quant.num_windows) * plan.quant_window_bytes)
+            head.allotted = (k_full[h], k_quant[h])
+        return sorted(range(len(heads)), key=lambda h: growth[h])
+
+    def summary(self) -> dict:
+        out = super().summary()
+        allotted = [head.allotted for layer in self.layers for head in layer.heads]
+        out.update(head_k_full_min=min(a[0] for a in allotted), head_k_full_max=max(a[0] for a in allotted),
+                   head_k_quant_min=min(a[1] for a in allotted), head_k_quant_max=max(a[1] for a in allotted))
+        return out

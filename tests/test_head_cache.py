@@ -1,0 +1,124 @@
+"""Head-adaptive QEvict: per-head routing reduces to per-layer routing when heads agree, follows each head's own
+attention when they do not, splits capacity AdaKV-style, and stays within the budget (bytes = a tensor walk)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core.attention import qevict_attention
+from qevict_core.head_cache import split_capacity
+from tests.conftest import random_prompt, tiny_model
+from tests.test_budget import resident_tensors
+from tests.test_equivalence import NEW, _greedy_with_logits, _Tok
+from tests.test_routing import OMEGA, RECENT, SINKS, keys_for, window_direction
+
+
+def test_split_gives_each_head_its_floor_then_one_top_k_across_heads():
+    ranks = [torch.tensor([9.0, 8.0, 7.0, 0.5]), torch.tensor([1.0, 0.9]), torch.tensor([6.0, 5.0, 0.1])]
+    # Floors of 1 (9, 1, 6), then the best 3 of the rest: 8, 7 (head 0) and 5 (head 2).
+    assert split_capacity(ranks, total=6, floor=1) == [3, 1, 2]
+    assert split_capacity(ranks, total=5, floor=0) == [3, 0, 2]  # 9 8 7 6 5: the weak head gets nothing
+    assert split_capacity(ranks, total=6, floor=2) == [2, 2, 2]  # the floors take every slot
+    assert split_capacity(ranks, total=20, floor=1) == [4, 2, 3]  # never more than a head's candidates
+    # Equal ranks split evenly: the better slot of each head first, then the lower head.
+    same = [torch.tensor([3.0, 2.0, 1.0])] * 3
+    assert split_capacity(same, total=6, floor=0) == [2, 2, 2]
+    assert split_capacity(same, total=4, floor=0) == [2, 1, 1]
+
+
+def identical_heads(model):
+    """Every query head and every KV head of every layer computes the same thing: heads see identical attention."""
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                heads = proj.weight.shape[0] // d
+                proj.weight.copy_(proj.weight[:d].repeat(heads, 1))
+    return model
+
+
+def test_identical_heads_route_exactly_as_one_layer():
+    model = identical_heads(tiny_model("llama", 2))
+    prompt, new = random_prompt(400), 60
+    config = QEvictConfig(budget=0.5, k_full=6, k_quant=12, record_events=True)
+    lanes = [Lane(m, make_cache(m, model, config, max_length=400 + new)) for m in ("qevict", "qevict_head")]
+    layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [lane], Sampling(max_new_tokens=new))
+                              if e.kind == "routing"] for lane in lanes)
+    assert len(head_wise) == 2 * len(layer_wise) > 0
+    by_layer = {(e.step, e.layer): e for e in layer_wise}
+    for event in head_wise:
+        ref = by_layer[(event.step, event.layer)]
+        assert (event.full, event.quantized, event.evicted) == (ref.full, ref.quantized, ref.evicted)
+    assert lanes[0].tokens == lanes[1].tokens
+    assert lanes[1].cache.summary()["promotions"] == 2 * lanes[0].cache.summary()["promotions"] > 0
+
+
+def test_each_head_keeps_the_windows_its_own_group_attends_to():
+    """Group 0 attends to windows 3 and 4, group 1 to window 9; K_f = 2 windows per head. Per layer, the three
+    windows compete for two slots; per head, each head keeps its own."""
+    model = tiny_model("llama", 2)
+    n_prompt = SINKS + 12 * OMEGA + RECENT
+    keys = keys_for(range(n_prompt))
+    toward = [window_direction(3) + window_direction(4), window_direction(9) * 2]
+    query = torch.stack([toward[h // 2] * 6.0 for h in range(4)])[None, :, None].expand(1, 4, n_prompt, -1)
+    config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, prefill_window=0, record_events=True)
+    full = {}
+    for method in ("qevict", "qevict_head"):
+        cache = make_cache(method, model, config, max_length=400)
+        cache.plan = dataclasses.replace(cache.plan, k_full=2, k_quant=2, keeps_dormant=True, uncompressed=False)
+        module = model.model.layers[0].self_attn
+        k, v = cache.update(keys, torch.randn(1, 2, n_prompt, keys.shape[-1]), 0)
+        qevict_attention(module, query.contiguous(), k, v, None, scaling=module.scaling)
+        full[method] = [set(e.full) for e in cache.drain_events()]
+    assert full["qevict_head"][0] == {3, 4} and 9 in full["qevict_head"][1]
+    assert not {3, 4, 9} <= full["qevict"][0]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads):
+    model = tiny_model("llama", kv_heads)
+    prompt_len, new = 700, 120
+    cache = make_cache("qevict_head", model, QEvictConfig(budget=0.15), max_length=prompt_len + new)
+    plan = cache.plan
+    for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [Lane("h", cache)],
+                                Sampling(max_new_tokens=new)):
+        if event.kind == "memory":
+            assert event.total_bytes <= cache.budget_bytes, f"step {event.step}"
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for layer in cache.layers for head in layer.heads for t in resident_tensors(head) if t.numel()}
+            assert event.total_bytes == sum(storages.values())
+    for layer in cache.layers:
+        allotted = [head.allotted for head in layer.heads]
+        assert sum(a[0] for a in allotted) == kv_heads * plan.k_full
+        assert sum(a[1] for a in allotted) == kv_heads * plan.k_quant
+        assert [h.full_ids.shape[1] for h in layer.heads] == [a[0] for a in allotted]
+    summary = cache.summary()
+    assert summary["head_k_full_max"] > summary["head_k_full_min"] or summary["head_k_quant_max"] > summary[
+        "head_k_quant_min"], "random heads should not all get the uniform share"
+
+
+def test_a_budget_that_holds_everything_is_exact():
+    model = tiny_model("mistral", 2)
+    prompt = random_prompt(150)
+    ref_tokens, ref_logits = _greedy_with_logits(model, prompt, make_cache("fullkv", model, None, 150 + NEW))
+    cache = make_cache("qevict_head", model, QEvictConfig(budget=1.0), max_length=150 + NEW)
+    assert cache.plan.uncompressed
+    tokens, logits = _greedy_with_logits(model, prompt, cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    # Routing with room for every window in full precision: nothing evicted, the same tokens.
+    cache = make_cache("qevict_head", model, QEvictConfig(budget=1.0), max_length=150 + NEW)
+    cache.plan = dataclasses.replace(cache.plan, uncompressed=False, k_full=cache.plan.num_windows, k_quant=0)
+    tokens, logits = _greedy_with_logits(model, prompt, cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert all(t["evicted"] == t["quantized"] == 0 for t in cache.tier_counts())
+
+
+def test_batches_are_refused_with_the_way_to_run_them():
+    with pytest.raises(ValueError, match="padded=True"):
+        make_cache("qevict_head", tiny_model("llama", 2), QEvictConfig(budget=0.2), max_length=300, batch_size=2)
