@@ -29,15 +29,26 @@ import torch
 @dataclass
 class LayerTrace:
     """FullKV attention of one layer: ``heads`` (H, T_dec, T) rows of the generated tokens per query head and
-    ``prefill_mass`` (T,) column sums of the prompt rows averaged over heads (for cumulative reference scores)."""
+    ``prefill_mass`` (T,) column sums of the prompt rows averaged over heads (for cumulative reference scores);
+    ``prefill_heads`` (H, T) the same sums per query head, when known."""
 
     heads: torch.Tensor
     prefill_mass: torch.Tensor
+    prefill_heads: torch.Tensor | None = None
 
     @property
     def decode(self) -> torch.Tensor:
         """(T_dec, T) decode rows averaged over query heads."""
         return self.heads.mean(dim=0)
+
+    def group(self, kv_head: int, kv_heads: int) -> LayerTrace:
+        """The trace of the query heads that read KV head ``kv_head`` (GQA: G consecutive heads): what a cache
+        that routes that head on its own (``qevict_head``) ranks by."""
+        g = self.heads.shape[0] // kv_heads
+        rows = slice(kv_head * g, (kv_head + 1) * g)
+        prefill = self.prefill_heads[rows] if self.prefill_heads is not None else None
+        return LayerTrace(heads=self.heads[rows], prefill_mass=prefill.mean(0) if prefill is not None
+                          else self.prefill_mass, prefill_heads=prefill)
 
 
 def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[LayerTrace]:
@@ -47,8 +58,9 @@ def reference_traces(model, input_ids: torch.Tensor, prompt_len: int) -> list[La
 
     def keep(module, _inputs, output):
         probs = output[1][0].float()  # (H, T, T)
-        traces[module.layer_idx] = LayerTrace(heads=probs[:, prompt_len:].clone(),
-                                              prefill_mass=probs[:, :prompt_len].sum(1).mean(0))
+        prefill = probs[:, :prompt_len].sum(1)  # (H, T)
+        traces[module.layer_idx] = LayerTrace(heads=probs[:, prompt_len:].clone(), prefill_mass=prefill.mean(0),
+                                              prefill_heads=prefill)
         return output[0], None
 
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
@@ -243,10 +255,11 @@ def lagged_transitions(series: dict[int, list[int | None]], max_lag: int = 8) ->
 
 def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]], prompt_len: int, sinks: int,
              omega: int, num_windows: int, k_full: int, horizon: int = 32, max_lag: int = 8, m: int = 3) -> dict:
-    """Every diagnostic for one policy run, averaged over layers: the numbers of the paper's Table 14-16."""
+    """Every diagnostic for one policy run, averaged over layers: the numbers of the paper's Table 14-16. A run
+    routed per KV head (events with a ``head``) is scored per layer and head, each head against the attention of
+    its own query group, and averaged over both."""
     per_layer = []
-    for layer, events in sorted(events_by_layer.items()):
-        trace = traces[layer]
+    for layer, trace, events in _routing_units(traces, events_by_layer):
         decode = [e for e in events if e["seen"] >= prompt_len]
         policy = membership(decode, [set(e["full"]) for e in decode], sinks, omega)
         oracle = membership(decode, oracle_selection(trace, decode, prompt_len, sinks, omega, num_windows, k_full),
@@ -263,6 +276,17 @@ def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]], p
             "lir_policy": global_lir(policy, m), "lir_oracle": global_lir(oracle, m),
             "lagged": lagged_transitions(policy, max_lag)})
     return aggregate(per_layer)
+
+
+def _routing_units(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]]):
+    """(layer, trace, events) per unit that routing decided for: a layer, or each KV head of a layer."""
+    for layer, events in sorted(events_by_layer.items()):
+        heads = sorted({e["head"] for e in events if e.get("head") is not None})
+        if not heads:
+            yield layer, traces[layer], events
+            continue
+        for head in heads:
+            yield layer, traces[layer].group(head, heads[-1] + 1), [e for e in events if e.get("head") == head]
 
 
 def aggregate(layers: list[dict]) -> dict:

@@ -101,3 +101,21 @@ def test_global_lir_and_lagged_transitions():
     assert (lir, median_return, eligible) == (1 / 3, 3, 3)
     lagged = dg.lagged_transitions(series, max_lag=1)[1]
     assert lagged["P10"] == pytest.approx(3 / 7) and lagged["P01"] == pytest.approx(2 / 11)
+
+
+def test_a_run_routed_per_kv_head_is_scored_against_each_heads_own_query_group():
+    """Two KV heads, one query head each: head 0 reads window 2 and keeps it, head 1 reads window 0 and keeps it.
+    Scored per head nothing is missed; a per-layer reading of the same events would mix the heads' choices."""
+    decode, total = 6, 30
+    heads = torch.zeros(2, decode, total)
+    heads[0, :, 10] = 1.0  # window 2
+    heads[1, :, 3] = 1.0  # window 0
+    trace = dg.LayerTrace(heads=heads, prefill_mass=torch.ones(total), prefill_heads=torch.ones(2, total))
+    per_head = [{**event(PROMPT, 18, full=[2], quantized=[]), "head": 0},
+                {**event(PROMPT, 18, full=[0], quantized=[]), "head": 1}]
+    result = dg.diagnose([trace], {0: per_head}, PROMPT, SINKS, OMEGA, num_windows=7, k_full=1, horizon=4)
+    assert result["fmm"] == 0.0
+    assert trace.group(1, 2).heads.equal(heads[1:]) and trace.group(1, 2).prefill_mass.equal(torch.ones(total))
+    swapped = [{**per_head[0], "head": 1}, {**per_head[1], "head": 0}]
+    assert dg.diagnose([trace], {0: swapped}, PROMPT, SINKS, OMEGA, num_windows=7, k_full=1,
+                       horizon=4)["fmm"] == pytest.approx(1.0)

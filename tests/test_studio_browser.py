@@ -91,7 +91,7 @@ def test_every_example_runs_at_the_default_settings(studio, browser, name):
 def test_run_stream_share_and_replay(studio, browser):
     page = open_page(browser, studio["url"], {"width": 1400, "height": 1600})
     page.fill("#prompt textarea", "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?")
-    page.locator("#lane2 input").fill("(none)")
+    page.locator("#lane2 input").fill("qevict_head")
     page.keyboard.press("Enter")
     set_number(page, "max-new", 40)
     page.click("#generate")
@@ -99,13 +99,16 @@ def test_run_stream_share_and_replay(studio, browser):
                            timeout=30_000)  # streaming: text before the run is done
     assert "Done." in wait_done(page)
     lanes = page.locator("#lanes .qe-lane")
-    assert [lanes.nth(i).get_attribute("data-lane") for i in range(2)] == ["fullkv", "qevict"]
-    for i in range(2):
+    assert [lanes.nth(i).get_attribute("data-lane") for i in range(3)] == ["fullkv", "qevict_head", "qevict"]
+    for i in range(3):
         assert "40 tokens" in lanes.nth(i).locator(".qe-stats").inner_text()
     assert page.locator("#tier-map .js-plotly-plot").count() == 1
     assert page.locator("#heatmap .js-plotly-plot").count() == 1
     assert page.locator("#bytes .js-plotly-plot").count() == 1
-    assert "qevict: layer" in page.locator("#tier-map").inner_text()
+    assert "qevict_head: layer 1, KV head 0" in page.locator("#tier-map").inner_text()  # routed per head
+    set_number(page, "head", 1)
+    wait_text(page, "#tier-map", "qevict_head: layer 1, KV head 1", 30_000)
+    assert "KV head 1" in page.locator("#prompt-tiers").inner_text()
     assert "low-bit" in page.locator("#prompt-tiers").inner_text()
     assert "latest routing moves" in page.locator("#moves").inner_text()
     shot(page, "studio-run")

@@ -14,6 +14,7 @@ from ui.control import TabRuns
 from ui.examples import EXAMPLES
 from ui.form import NO_LANE, parse_request
 from ui.handlers import Studio, diagnose_session, progress_text
+from ui.layout import picker_index
 from ui.view import RunView
 
 SETTINGS = dict(budget=0.3, omega=8, q_frac=0.7, bits=2, sinks=5, recent=32, scorer="cumulative", promotion=True)
@@ -296,3 +297,36 @@ def test_diagnostics_of_a_stored_run(studio):
     fmm, fmm_fp = float(cells[0]), float(cells[1])
     assert 0 <= fmm <= fmm_fp <= 1
     assert "No such session" in diagnose_session(studio, "nope")
+
+
+def test_a_lane_routed_per_kv_head_shows_the_picked_head():
+    view = RunView({"lanes": [{"name": "h", "method": "qevict_head"}], "config": {"sinks": 2, "omega": 4},
+                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
+    for head, (full, quantized, promoted) in enumerate([([0], [1], []), ([2], [0], [2])]):
+        view.apply({"kind": "routing", "lane": "h", "step": 8, "layer": 0, "head": head, "seen": 30,
+                    "recent_start": 18, "full": full, "quantized": quantized, "promoted": promoted, "demoted": [],
+                    "evicted": [], "scores": {"0": 1.0 + head, "1": 0.5, "2": 0.9}})
+    codes = plots.TIER_CODES
+    for head, tiers in enumerate([("full", "quantized", "evicted"), ("quantized", "evicted", "full")]):
+        fig = plots.tier_map(view, "h", 0, head)
+        assert [row[0] for row in fig.data[0].z[:3]] == [codes[t] for t in tiers]
+        assert f"h: layer 0, KV head {head}," in fig.layout.title.text
+        assert list(plots.score_heatmap(view, "h", head).data[0].z[0])[:1] == [1.0 + head]
+        assert f"h, layer 0, KV head {head}" in cards.prompt_html(view, "h", 0, head)
+    assert "window 2 (tokens 10–13" in cards.moves_html(view, "h", 0, 1)
+    assert "promoted" not in cards.moves_html(view, "h", 0, 0)
+    assert view.where("h", 0, 1) == "layer 0, KV head 1"
+    with pytest.raises(ValueError, match="head: must be a whole number from 0 to 2"):
+        picker_index(3, 3, "head")
+
+
+def test_a_qevict_head_run_is_stored_replayed_and_diagnosed_per_head(studio):
+    final = list(studio.run(request(methods=("fullkv", "qevict_head"), max_new=32)))[-1]
+    view, _, _ = studio.replay(final.session_id, None)
+    heads = {e.get("head") for events in view.routing["qevict_head"].values() for e in events}
+    assert heads == set(range(studio.num_kv_heads))
+    assert view.layer_events("qevict_head", 0, 1) and all(e["head"] == 1
+                                                          for e in view.layer_events("qevict_head", 0, 1))
+    row = next(line for line in diagnose_session(studio, final.session_id).splitlines()
+               if line.startswith("| qevict_head |"))
+    assert all(c.strip() for c in row.strip("|").split("|"))

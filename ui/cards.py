@@ -72,14 +72,14 @@ def lanes_html(view: RunView) -> str:
     return f'<div class="qe-lanes">{"".join(cards)}</div>'
 
 
-def prompt_html(view: RunView, lane: str | None, layer: int) -> str:
+def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> str:
     """The user's prompt (no chat-template markup), each token on the colour of its window's tier at the latest
-    routing event of ``layer``."""
+    routing event of ``layer`` (and ``head``, for a lane routed per KV head)."""
     pieces = view.request.get("prompt_tokens") or []
     if not pieces:
         return ""
     start, stop = view.request.get("prompt_span") or (0, len(pieces))
-    events = view.layer_events(lane, layer) if lane else []
+    events = view.layer_events(lane, layer, head) if lane else []
     event = events[-1] if events else None
     if event is not None:
         event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
@@ -101,7 +101,7 @@ def prompt_html(view: RunView, lane: str | None, layer: int) -> str:
     legend = " ".join(f'<span class="qe-key" style="background:{c}33;border-bottom:3px solid {c}">{TIER_WORDS[t]}'
                       f'</span>' for t, c in TIER_COLORS.items())
     hidden = len(pieces) - (stop - start)
-    title = _esc(f"{lane}, layer {layer}") if lane else "prompt"
+    title = _esc(f"{lane}, {view.where(lane, layer, head)}") if lane else "prompt"
     note = (f" The chat template adds {hidden} tokens around it (the first {view.sinks} are the attention sinks);"
             " they are not shown." if hidden else "")
     return (f'<div class="qe-prompt"><div><b>{title}</b> — {legend}</div><div class="qe-caption">Your prompt, '
@@ -113,9 +113,9 @@ def _span(tier: str, pieces: list[str]) -> str:
     return f'<span title="{TIER_WORDS[tier]}" style="background:{TIER_COLORS[tier]}33">{_esc("".join(pieces))}</span>'
 
 
-def moves_html(view: RunView, lane: str | None, layer: int, limit: int = 12) -> str:
-    """The latest promotions and demotions of ``layer`` in words, with the text of each window."""
-    events = view.layer_events(lane, layer) if lane else []
+def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit: int = 12) -> str:
+    """The latest promotions and demotions of ``layer`` (and ``head``) in words, with the text of each window."""
+    events = view.layer_events(lane, layer, head) if lane else []
     lines = []
     for event in reversed(events):
         for window, move in ([(w, "promoted: low-bit → full precision") for w in event["promoted"]]
@@ -133,7 +133,7 @@ def moves_html(view: RunView, lane: str | None, layer: int, limit: int = 12) -> 
     if not lines:
         return ('<div class="qe-moves">No routing moves yet in this layer: windows move at routing events, every '
                 'Ω generated tokens.</div>')
-    return (f'<div class="qe-moves"><b>{_esc(str(lane))}, layer {layer}: latest routing moves</b>'
+    return (f'<div class="qe-moves"><b>{_esc(f"{lane}, {view.where(lane, layer, head)}")}: latest routing moves</b>'
             f'<ul>{"".join(lines[:limit])}</ul></div>')
 
 

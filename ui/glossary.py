@@ -15,7 +15,8 @@ GLOSSARY = """
   ids, score tables, buffers), against the uncompressed cache of the same tokens.
 - **full / low-bit / evicted tokens** — tokens of one layer in each tier, averaged over layers; the same unit for
   every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
-- **promotions / demotions** — window moves between the tiers, summed over layers.
+- **promotions / demotions** — window moves between the tiers, summed over layers (and over KV heads for
+  `qevict_head`, which routes each head on its own: its tier map and scores show the head picked next to the layer).
 - **ms per token** — decode time per token of each lane *had it run alone*, estimated: the lanes share one batched
   forward, whose shared part (embeddings, projections, MLPs: on a CPU about as fast for three rows as for one)
   is added to the time of the lane's own cache updates and attention, timed inside that forward. Where those

@@ -62,6 +62,11 @@ class Studio:
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.model.config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
     def encode(self, prompt: str) -> tuple[torch.Tensor, list[int]]:
         """-> (input ids (1, T), [start, stop) of the user's own text among them, chat-template markup excluded)."""
         if not getattr(self.tokenizer, "chat_template", None):

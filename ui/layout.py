@@ -44,13 +44,13 @@ def map_lane(view: RunView | None) -> str | None:
     return next((n for n in routed if METHODS[view.lanes[n].method].family == "qevict"), routed[0] if routed else None)
 
 
-def routing_outputs(view: RunView | None, layer: int) -> tuple:
-    """(tier map, score heatmap, moves in words, prompt by tier)."""
+def routing_outputs(view: RunView | None, layer: int, head: int = 0) -> tuple:
+    """(tier map, score heatmap, moves in words, prompt by tier); ``head`` matters for lanes routed per KV head."""
     if view is None:
         return CLEARED[3], CLEARED[4], "", ""
     lane = map_lane(view)
-    return (plots.tier_map(view, lane, layer), plots.score_heatmap(view, lane), cards.moves_html(view, lane, layer),
-            cards.prompt_html(view, lane, layer))
+    return (plots.tier_map(view, lane, layer, head), plots.score_heatmap(view, lane, head),
+            cards.moves_html(view, lane, layer, head), cards.prompt_html(view, lane, layer, head))
 
 
 def share_markdown(session_id: str, token: str, request: gr.Request | None) -> str:
@@ -61,26 +61,30 @@ def share_markdown(session_id: str, token: str, request: gr.Request | None) -> s
             f"*Sessions* in this browser only, which can delete it; elsewhere, delete it with the token `{token}`.")
 
 
-def view_panel(prefix: str, layers: int) -> tuple:
-    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, layer picker, routing views."""
+def view_panel(prefix: str, layers: int, heads: int) -> tuple:
+    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, layer and head pickers, routing
+    views."""
     lanes = gr.HTML(elem_id=f"{prefix}lanes")
     stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
                          max_height=440, column_widths=["34%"],
                          label="Lanes side by side (tokens per layer, moves in windows; see the glossary)")
     memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
-    layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer shown below (0–{layers - 1})",
-                      elem_id=f"{prefix}layer")
+    with gr.Row():
+        layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer shown below (0–{layers - 1})",
+                          elem_id=f"{prefix}layer", scale=3)
+        head = FormSlider(0, heads - 1, value=0, step=1, elem_id=f"{prefix}head", scale=2,
+                         label=f"KV head shown, for qevict_head (routed per head; 0–{heads - 1})")
     with gr.Row(equal_height=False):
         tier = gr.Plot(label="Tier map", show_label=False, elem_id=f"{prefix}tier-map", min_width=320)
         heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
     moves = gr.HTML(elem_id=f"{prefix}moves")
     prompt = gr.HTML(elem_id=f"{prefix}prompt-tiers")
-    return lanes, stats, memory, layer, tier, heat, moves, prompt
+    return lanes, stats, memory, layer, head, tier, heat, moves, prompt
 
 
 def build_demo(studio: Studio) -> gr.Blocks:
     tabs_state = TabRuns()
-    layers = studio.num_layers
+    layers, heads = studio.num_layers, studio.num_kv_heads
     method_choices = [NO_LANE] + sorted(METHODS)
 
     with gr.Blocks(title="QEvict studio", analytics_enabled=False) as demo:
@@ -127,7 +131,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                     stop_btn = gr.Button("Stop", elem_id="stop")
                 status = gr.Markdown(elem_id="status")
-                lanes_out, stats, memory, layer, tier_plot, heat_plot, moves, prompt_view = view_panel("", layers)
+                (lanes_out, stats, memory, layer, head, tier_plot, heat_plot, moves,
+                 prompt_view) = view_panel("", layers, heads)
                 share = gr.Markdown(elem_id="share")
                 with gr.Accordion("What each method keeps", open=False):
                     gr.Markdown(methods_markdown(), elem_id="methods")
@@ -143,8 +148,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
                     play_btn = gr.Button("Play", elem_id="replay-play", scale=1, min_width=80)
                     pause_btn = gr.Button("Pause", elem_id="replay-pause", scale=1, min_width=80)
                 timer = gr.Timer(0.4, active=False)
-                replay_panel = view_panel("replay-", layers)
-                replay_layer = replay_panel[3]
+                replay_panel = view_panel("replay-", layers, heads)
+                replay_layer, replay_head = replay_panel[3], replay_panel[4]
                 diagnose_btn = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
                 diagnostics_out = gr.Markdown(elem_id="replay-diagnostics")
                 with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
@@ -175,7 +180,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         example.change(pick_example, example, [prompt, expected], api_visibility="private")
         run_inputs = [prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                      max_new, temperature, seed, layer, expected]
+                      max_new, temperature, seed, layer, expected, head]
         view_outputs = [lanes_out, stats, memory, tier_plot, heat_plot, moves, prompt_view]
         new_ref = gr.State(None)  # the run's {id, token}, handed to the browser's list (not part of the API)
         run_outputs = [status, *view_outputs, share, new_ref]
@@ -187,7 +192,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         @GPU(duration=300)
         def generate(prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                     max_new_tokens, temperature, seed, layer, expected="", request: gr.Request = None):
+                     max_new_tokens, temperature, seed, layer, expected="", head=0, request: gr.Request = None):
             """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats table, bytes plot, tier
             map, score heatmap, routing moves, prompt by tier, share link). Lanes are method names from
             `qevict_core.list_methods()` or "(none)". A refused request returns the reason in ``status``."""
@@ -199,12 +204,12 @@ def build_demo(studio: Studio) -> gr.Blocks:
             try:
                 req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent,
                                     scorer, promotion, max_new_tokens, temperature, seed, expected)
-                shown = layer_index(layer, layers)
+                shown = picker_index(layer, layers, "layer"), picker_index(head, heads, "head")
                 for update in studio.run(req, flag.is_set):
                     tabs_state.live[key] = update.view
                     first = update.view.step < 0 and update.status == "running"
                     heavy = update.routing_changed or update.status != "running"
-                    routing = routing_outputs(update.view, shown) if heavy else (gr.skip(),) * 4
+                    routing = routing_outputs(update.view, *shown) if heavy else (gr.skip(),) * 4
                     yield (progress_text(update, studio), cards.lanes_html(update.view),
                            cards.stats_table(update.view), plots.bytes_plot(update.view) if heavy else gr.skip(),
                            *routing, share_markdown(update.session_id, update.delete_token, request),
@@ -231,13 +236,16 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         stop_btn.click(request_stop, None, status, queue=False, api_visibility="private")
 
-        def redraw_layer(layer_v, request: gr.Request):
-            return routing_outputs(tabs_state.live.get(request.session_hash), layer_index(layer_v, layers))
+        def redraw_routing(layer_v, head_v, request: gr.Request):
+            return routing_outputs(tabs_state.live.get(request.session_hash), picker_index(layer_v, layers, "layer"),
+                                   picker_index(head_v, heads, "head"))
 
-        layer.change(redraw_layer, layer, [tier_plot, heat_plot, moves, prompt_view], api_visibility="private")
+        for picker in (layer, head):
+            picker.change(redraw_routing, [layer, head], [tier_plot, heat_plot, moves, prompt_view],
+                          api_visibility="private")
 
         # -- replay ---------------------------------------------------------------------------------------------
-        def show_replay(session_id, step_v, layer_v, request: gr.Request):
+        def show_replay(session_id, step_v, layer_v, head_v, request: gr.Request):
             session_id = (session_id or "").strip()
             if not session_id:
                 return ("Enter a session id, or open a share link.", gr.skip(), *CLEARED)
@@ -250,25 +258,27 @@ def build_demo(studio: Studio) -> gr.Blocks:
             note = f"Session `{session_id}` — {meta['status']}, step {shown} of {last}"
             return (note, gr.update(maximum=max(last, 1), value=shown), cards.lanes_html(view),
                     cards.stats_table(view), plots.bytes_plot(view),
-                    *routing_outputs(view, layer_index(layer_v, layers)))
+                    *routing_outputs(view, picker_index(layer_v, layers, "layer"), picker_index(head_v, heads, "head")))
 
-        replay_outputs = [replay_status, step, *[c for c in replay_panel if c is not replay_layer]]
+        replay_outputs = [replay_status, step, *[c for c in replay_panel if c not in (replay_layer, replay_head)]]
+        replay_inputs = [replay_id, step, replay_layer, replay_head]
 
-        def load_replay(session_id, layer_v, request: gr.Request):
-            return show_replay(session_id, None, layer_v, request)
+        def load_replay(session_id, layer_v, head_v, request: gr.Request):
+            return show_replay(session_id, None, layer_v, head_v, request)
 
-        load_btn.click(load_replay, [replay_id, replay_layer], replay_outputs, api_visibility="private")
-        step.input(show_replay, [replay_id, step, replay_layer], replay_outputs, api_visibility="private")
-        replay_layer.change(show_replay, [replay_id, step, replay_layer], replay_outputs, api_visibility="private")
+        load_btn.click(load_replay, [replay_id, replay_layer, replay_head], replay_outputs, api_visibility="private")
+        step.input(show_replay, replay_inputs, replay_outputs, api_visibility="private")
+        for picker in (replay_layer, replay_head):
+            picker.change(show_replay, replay_inputs, replay_outputs, api_visibility="private")
         play_btn.click(lambda: gr.Timer(active=True), None, timer, api_visibility="private")
         pause_btn.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
 
-        def tick(session_id, step_v, layer_v, request: gr.Request):
+        def tick(session_id, step_v, layer_v, head_v, request: gr.Request):
             _, last = tabs_state.replays.get(request.session_hash, (None, 0))
             nxt = min(int(step_v or 0) + 1, last)
-            return (*show_replay(session_id, nxt, layer_v, request), gr.Timer(active=nxt < last))
+            return (*show_replay(session_id, nxt, layer_v, head_v, request), gr.Timer(active=nxt < last))
 
-        timer.tick(tick, [replay_id, step, replay_layer], [*replay_outputs, timer], api_visibility="private")
+        timer.tick(tick, replay_inputs, [*replay_outputs, timer], api_visibility="private")
 
         @GPU(duration=120)
         def run_diagnostics(session_id):
@@ -288,10 +298,10 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         sessions_table.select(pick_row, None, manage_id, api_visibility="private")
 
-        def open_session(session_id, layer_v, request: gr.Request):
-            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, request))
+        def open_session(session_id, layer_v, head_v, request: gr.Request):
+            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, head_v, request))
 
-        open_btn.click(open_session, [manage_id, replay_layer], [tabs, replay_id, *replay_outputs],
+        open_btn.click(open_session, [manage_id, replay_layer, replay_head], [tabs, replay_id, *replay_outputs],
                        api_visibility="private")
 
         def export_session(session_id):
@@ -333,14 +343,15 @@ def build_demo(studio: Studio) -> gr.Blocks:
                          api_visibility="private")
 
         # -- deep links and cleanup -----------------------------------------------------------------------------
-        def on_load(layer_v, owned_state, request: gr.Request):
+        def on_load(layer_v, head_v, owned_state, request: gr.Request):
             listed = sessions.rows(studio.store, owned_state)
             session_id = request.query_params.get("session") if request is not None else None
             if not session_id:
                 return (gr.skip(), gr.skip(), *([gr.skip()] * len(replay_outputs)), listed)
-            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, request), listed)
+            return (gr.Tabs(selected="replay"), session_id, *show_replay(session_id, None, layer_v, head_v, request),
+                    listed)
 
-        demo.load(on_load, [replay_layer, owned], [tabs, replay_id, *replay_outputs, sessions_table],
+        demo.load(on_load, [replay_layer, replay_head, owned], [tabs, replay_id, *replay_outputs, sessions_table],
                   api_visibility="private")
         def forget(request: gr.Request):
             tabs_state.forget(request.session_hash)
@@ -349,12 +360,12 @@ def build_demo(studio: Studio) -> gr.Blocks:
     return demo
 
 
-def layer_index(value, layers: int) -> int:
-    """The layer picker's value as an index; ValueError naming the range (API callers can send anything)."""
+def picker_index(value, count: int, name: str) -> int:
+    """A layer or head picker's value as an index; ValueError naming the range (API callers can send anything)."""
     try:
         index = int(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"layer: must be a whole number from 0 to {layers - 1} (got {value!r})") from None
-    if index != value or not 0 <= index < layers:
-        raise ValueError(f"layer: must be a whole number from 0 to {layers - 1} (got {value!r})")
+        raise ValueError(f"{name}: must be a whole number from 0 to {count - 1} (got {value!r})") from None
+    if index != value or not 0 <= index < count:
+        raise ValueError(f"{name}: must be a whole number from 0 to {count - 1} (got {value!r})")
     return index

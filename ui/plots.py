@@ -42,9 +42,9 @@ def empty_figure(message: str) -> go.Figure:
     return fig
 
 
-def tier_map(view: RunView, lane: str | None, layer: int) -> go.Figure:
+def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.Figure:
     """Windows (y) x routing events (x), coloured by tier; promotions ▲ and demotions ▼ marked."""
-    events = view.layer_events(lane, layer) if lane else []
+    events = view.layer_events(lane, layer, head) if lane else []
     if not events:
         return empty_figure("The tier map appears at the first routing event of a QEvict lane.")
     sinks, omega = view.sinks, view.omega
@@ -72,19 +72,21 @@ def tier_map(view: RunView, lane: str | None, layer: int) -> go.Figure:
                              marker={"symbol": "triangle-up", "color": "#111827", "size": 8}))
     fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted ▼",
                              marker={"symbol": "triangle-down", "color": "#7c3aed", "size": 8}))
-    fig = _layout(fig, f"{lane}: layer {layer}, tier of each window per routing event")
+    fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event")
     fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},
                       yaxis={"title": f"window ({omega} tokens)"})
     return fig
 
 
-def score_heatmap(view: RunView, lane: str | None) -> go.Figure:
-    """Layers (y) x windows (x): each layer's window scores at its latest routing event."""
-    layers = view.routing.get(lane, {}) if lane else {}
-    if not layers:
+def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
+    """Layers (y) x windows (x): each layer's window scores at its latest routing event (of ``head`` for a lane
+    routed per KV head)."""
+    layers = {layer: view.layer_events(lane, layer, head) for layer in view.routing.get(lane, {})} if lane else {}
+    latest = {layer: events[-1] for layer, events in layers.items() if events}
+    if not latest:
         return empty_figure("Cumulative scores appear at the first routing event of a QEvict lane.")
-    latest = {layer: events[-1] for layer, events in layers.items()}
+    per_head = any(e.get("head") is not None for e in latest.values())
     n_windows = 1 + max((max(map(int, e["scores"]), default=0) for e in latest.values()), default=0)
     rows = sorted(latest)
     z = []
@@ -95,7 +97,8 @@ def score_heatmap(view: RunView, lane: str | None) -> go.Figure:
                                colorbar={"title": {"text": "score", "side": "top"}, "orientation": "h",
                                          "thickness": 8, "len": 0.6, "y": 1.02, "yanchor": "bottom"},
                                hovertemplate="layer %{y}, window %{x}: %{z}<extra></extra>"))
-    fig = _layout(fig, f"{lane}: cumulative attention per window (blank = evicted)")
+    fig = _layout(fig, f"{lane}{f', KV head {head}' if per_head else ''}: cumulative attention per window "
+                       "(blank = evicted)")
     fig.update_layout(xaxis={"title": "window"}, yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
     return fig
 

@@ -105,8 +105,14 @@ class RunView:
     def routed_lanes(self) -> list[str]:
         return [name for name, layers in self.routing.items() if layers]
 
-    def layer_events(self, lane: str, layer: int) -> list[dict]:
-        return self.routing.get(lane, {}).get(layer, [])
+    def layer_events(self, lane: str, layer: int, head: int = 0) -> list[dict]:
+        """Routing events of ``layer``; for a lane routed per KV head (``qevict_head``), those of ``head``."""
+        return [e for e in self.routing.get(lane, {}).get(layer, []) if e.get("head") in (None, head)]
+
+    def where(self, lane: str, layer: int, head: int = 0) -> str:
+        """'layer 3', or 'layer 3, KV head 1' for a lane routed per head: what a routing figure shows."""
+        per_head = any(e.get("head") is not None for e in self.routing.get(lane, {}).get(layer, []))
+        return f"layer {layer}, KV head {head}" if per_head else f"layer {layer}"
 
     def reference(self) -> LaneView | None:
         return next((lane for lane in self.lanes.values() if lane.method == "fullkv"), None)
