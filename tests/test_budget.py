@@ -12,7 +12,8 @@ from tests.test_equivalence import _Tok
 
 
 def resident_tensors(layer) -> list[torch.Tensor]:
-    """Every tensor a layer holds, found by walking its attributes (independent of resident_bytes)."""
+    """Every tensor a layer holds, found by walking its attributes (independent of resident_bytes), through the
+    engine's own objects it holds (ledgers, the per-head layers of qevict_head)."""
     found = []
     for name, value in vars(layer).items():
         if name in ("owner", "_returned_keys"):
@@ -21,7 +22,7 @@ def resident_tensors(layer) -> list[torch.Tensor]:
             if isinstance(item, torch.Tensor):
                 found.append(item)
             elif isinstance(item, WindowLedger) or type(item).__module__.startswith("qevict_core"):
-                found.extend(v for v in vars(item).values() if isinstance(v, torch.Tensor))
+                found.extend(resident_tensors(item))
     return found
 
 

@@ -10,7 +10,7 @@ from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.attention import qevict_attention
 from qevict_core.head_cache import split_capacity
 from tests.conftest import random_prompt, tiny_model
-from tests.test_budget import resident_tensors
+from tests.test_budget import walked_bytes
 from tests.test_equivalence import NEW, _greedy_with_logits, _Tok
 from tests.test_routing import OMEGA, RECENT, SINKS, keys_for, window_direction
 
@@ -88,9 +88,7 @@ def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads):
                                 Sampling(max_new_tokens=new)):
         if event.kind == "memory":
             assert event.total_bytes <= cache.budget_bytes, f"step {event.step}"
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for layer in cache.layers for head in layer.heads for t in resident_tensors(head) if t.numel()}
-            assert event.total_bytes == sum(storages.values())
+            assert event.total_bytes == walked_bytes(cache)
     for layer in cache.layers:
         allotted = [head.allotted for head in layer.heads]
         assert sum(a[0] for a in allotted) == kv_heads * plan.k_full
