@@ -5,6 +5,11 @@ windows. Here each KV head is a QEvict layer of its own - one KV head and its G 
 own score table (Eq. 1 averaged over its group), tiers, dormant ledger and routing decisions. Storage is per head,
 so a head holding more windows than another really holds more bytes, and less is really freed elsewhere.
 
+Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking + β·the mean of the layer's heads'
+(β = ``shared``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
+a head keeps only what its own group attended to while scoring, and on RULER-style retrieval at 5% the copy heads
+then lost the needle's later digits (docs/engine.md has the measurement).
+
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's
 H·K_f full and H·K_q quantized slots are split over its heads, AdaKV-style: each head first gets its
@@ -34,6 +39,7 @@ from .cache_base import ReportingLayer
 from .config import QEvictConfig
 
 FLOOR = 0.2  # α: AdaKV's default share of the uniform capacity that every head keeps
+SHARED = 0.5  # β: weight of the layer's mean ranking in each head's (measured on RULER 2K, docs/engine.md)
 
 
 class HeadLayer(QEvictLayer):
@@ -43,9 +49,15 @@ class HeadLayer(QEvictLayer):
         super().__init__(layer_idx, owner)
         self.head = head
         self.allotted = (owner.plan.k_full, owner.plan.k_quant)
+        self.rank_table: torch.Tensor | None = None  # during a routing event only: what this head ranks by
 
     def capacities(self) -> tuple[int, int]:
         return self.allotted
+
+    def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
+        if self.rank_table is None:
+            return super().candidate_ranks(cand_ids)
+        return self.rank_table.gather(1, cand_ids.long())
 
 
 class HeadwiseLayer(ReportingLayer):
@@ -77,9 +89,12 @@ class HeadwiseLayer(ReportingLayer):
         if self.owner.routed():
             for head in self.heads:
                 head.settle()
+            self.owner.blend(self.heads)
             moves = self.owner.allot(self.heads)
             for h in moves:
                 self.heads[h].move(*parts[h])
+            for head in self.heads:
+                head.rank_table = None
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return torch.cat(outs, dim=2)  # (B, L, Hq, D): head h's group of query heads in place
@@ -121,13 +136,16 @@ class HeadwiseQEvictCache(QEvictCache):
 
     method = "qevict_head"
 
-    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1, floor: float = FLOOR):
+    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1, floor: float = FLOOR,
+                 shared: float = SHARED):
         if batch_size != 1:
             raise ValueError(f"qevict_head routes each head of each sequence separately and runs batch size 1 "
                              f"(got {batch_size}); for a batch use make_cache(..., padded=True)")
-        if not 0.0 <= floor <= 1.0:
-            raise ValueError(f"floor must lie in [0, 1] (got {floor!r})")
+        for name, value in (("floor", floor), ("shared", shared)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1] (got {value!r})")
         self.floor = floor
+        self.shared = shared
         super().__init__(model, config, max_length, batch_size)
 
     def plan_shape(self, shape: KVShape) -> KVShape:
@@ -137,6 +155,17 @@ class HeadwiseQEvictCache(QEvictCache):
 
     def make_layer(self, layer_idx: int, shape: KVShape) -> ReportingLayer:
         return HeadwiseLayer(layer_idx, self, shape.num_kv_heads)
+
+    def blend(self, heads: list[HeadLayer]) -> None:
+        """Each head ranks by (1 - β) x its own ranking + β x the mean ranking of the layer's heads (β = ``shared``):
+        the windows a head's own query group favours, without dropping what the layer as a whole attends to. β = 1
+        ranks every head alike, which makes exactly QEvict's per-layer decisions."""
+        if not self.shared:
+            return
+        own = [self.scorer.ranking(head.scores) for head in heads]
+        mean = torch.stack(own).mean(dim=0)
+        for head, table in zip(heads, own):
+            head.rank_table = table * (1 - self.shared) + mean * self.shared
 
     def allot(self, heads: list[HeadLayer]) -> list[int]:
         """Split the layer's H·K_f and H·K_q over its (settled) heads; -> the order in which heads must move:

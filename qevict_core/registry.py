@@ -59,8 +59,12 @@ def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[...
     return build
 
 
-def _qevict_head(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
-    return HeadwiseQEvictCache(model, config, max_length, batch_size)
+def _qevict_head(name: str, **options) -> Callable[..., ReportingCache]:
+    def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        cache = HeadwiseQEvictCache(model, config, max_length, batch_size, **options)
+        cache.method = name
+        return cache
+    return build
 
 
 def _evict(name: str, make_policy: Callable[[QEvictConfig], Policy]) -> Callable[..., ReportingCache]:
@@ -94,10 +98,13 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_paper": MethodSpec(_qevict("qevict_paper", prefill_window=0), "QEvict, the paper's preset "
                                "(QEvictConfig.paper()): prefill scores summed over every prompt query (Eq. 1) instead "
                                "of the last 32.", "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict"),
-    "qevict_head": MethodSpec(_qevict_head, "QEvict routed per KV head: each head ranks its own windows by its query "
-                              "group's attention, and each routing event splits the layer's full and low-bit slots "
-                              "over heads AdaKV-style (floor α = 0.2).", "arXiv 2608.05326 + Feng et al. 2024 "
-                              "(AdaKV); see qevict_core/head_cache.py", "qevict"),
+    "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
+                              "its query group's attention blended with the layer's (β = 0.5), and each routing event "
+                              "splits the layer's full and low-bit slots over heads AdaKV-style (floor α = 0.2).",
+                              "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); see qevict_core/head_cache.py", "qevict"),
+    "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", shared=0.0), "qevict_head ablation: each head "
+                                  "ranks by its own query group's attention alone (β = 0).",
+                                  "qevict_core/head_cache.py", "qevict"),
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
                                  "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),

@@ -120,3 +120,24 @@ def test_a_budget_that_holds_everything_is_exact():
 def test_batches_are_refused_with_the_way_to_run_them():
     with pytest.raises(ValueError, match="padded=True"):
         make_cache("qevict_head", tiny_model("llama", 2), QEvictConfig(budget=0.2), max_length=300, batch_size=2)
+
+
+def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
+    """β = 1: heads that see different attention still rank alike, split capacity evenly and route as one layer."""
+    from qevict_core.head_cache import HeadwiseQEvictCache
+
+    model = tiny_model("qwen2", 2)
+    prompt, new = random_prompt(300), 40
+    config = QEvictConfig(budget=0.5, k_full=4, k_quant=10, record_events=True)
+    caches = [make_cache("qevict", model, config, max_length=300 + new),
+              HeadwiseQEvictCache(model, config, max_length=300 + new, shared=1.0)]
+    layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [Lane("l", cache)],
+                                                        Sampling(max_new_tokens=new)) if e.kind == "routing"]
+                             for cache in caches)
+    by_layer = {(e.step, e.layer): e for e in layer_wise}
+    assert len(head_wise) == 2 * len(layer_wise) > 0
+    for event in head_wise:
+        ref = by_layer[(event.step, event.layer)]
+        assert (event.full, event.quantized) == (ref.full, ref.quantized)
+    with pytest.raises(ValueError, match=r"shared must lie in \[0, 1\]"):
+        HeadwiseQEvictCache(model, config, max_length=300, shared=1.5)
