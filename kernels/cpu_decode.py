@@ -72,7 +72,10 @@ def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.quant_logits.argtypes = [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float]
     lib.quant_values.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 6
-    lib.quant_logits.restype = lib.quant_values.restype = ctypes.c_int
+    lib.quant_logits_varlen.argtypes = [_PTR] * 9 + [_I64] * 8 + [ctypes.c_float]
+    lib.quant_values_varlen.argtypes = [_PTR, _I64] + [_PTR] * 5 + [_I64] * 5
+    for fn in (lib.quant_logits, lib.quant_values, lib.quant_logits_varlen, lib.quant_values_varlen):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -162,6 +165,88 @@ def quant_values(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tens
     return out
 
 
+def _pointers(tensors: list[torch.Tensor]):
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def _windows(name: str, tensor: torch.Tensor, per_window: int, head: int) -> int:
+    if tensor.numel() % per_window:
+        raise ValueError(f"{name} of head {head} must hold whole rows of {per_window} (got {tensor.numel()} elements)")
+    return tensor.numel() // per_window
+
+
+def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]], cos: torch.Tensor,
+                        sin: torch.Tensor, sinks: int, omega: int, bits: int, scaling: float,
+                        width: int | None = None) -> torch.Tensor:
+    """:func:`quant_logits` for the KV heads of one layer whose tiers differ in length (qevict_head).
+
+    rows (H, R, D) float32, head h's query rows; tiers[h] = (k_codes, k_scale, k_zero, ids) of head h alone, shaped
+    as :func:`quant_logits`' with B = H = 1 (n_h keys, n_h/Ω windows; n_h may be 0). -> (H, R, width) float32,
+    width >= max n_h (default max n_h): head h's logits in columns [0, n_h) and -inf after them, so that one softmax
+    over padded rows weighs each head's own keys only."""
+    h, r, d = rows.shape
+    _shape(d, bits, 0, omega)
+    if len(tiers) != h:
+        raise ValueError(f"one tier per head: rows has {h} heads, tiers has {len(tiers)}")
+    packed = d * bits // 8
+    checked, lengths = [], []
+    for head, (codes, scale, zero, ids) in enumerate(tiers):
+        n = _windows("k_codes", codes, packed, head)
+        _shape(d, bits, n, omega)
+        for name, tensor in (("k_scale", scale), ("k_zero", zero)):
+            if _windows(name, tensor, d, head) != n // omega:
+                raise ValueError(f"{name} of head {head} must hold {n // omega} windows of {d} channels")
+        if ids.numel() != n // omega:
+            raise ValueError(f"ids of head {head} must hold {n // omega} window ids (got {ids.numel()})")
+        checked.append((_check("k_codes", codes, torch.uint8), _check("k_scale", scale, torch.float32),
+                        _check("k_zero", zero, torch.float32), _check("ids", ids, torch.int32)))
+        lengths.append(n)
+    width = max(lengths, default=0) if width is None else width
+    if width < max(lengths, default=0):
+        raise ValueError(f"width must be at least the longest tier, {max(lengths)} keys (got {width})")
+    rows, cos, sin = _check("rows", rows, torch.float32), _check("cos", cos, torch.float32), \
+        _check("sin", sin, torch.float32)
+    out = rows.new_empty(h, r, width)
+    n = (ctypes.c_int64 * h)(*lengths)
+    codes, scale, zero, ids = (_pointers([c[i] for c in checked]) for i in range(4))
+    lib = _library()
+    _over_heads(lambda h0, h1: lib.quant_logits_varlen(rows.data_ptr(), codes, scale, zero, ids, n, cos.data_ptr(),
+                                                       sin.data_ptr(), out.data_ptr(), width, h0, h1, r, d, bits,
+                                                       omega, sinks, scaling), h)
+    return out
+
+
+def quant_values_varlen(probs: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]], bits: int) -> torch.Tensor:
+    """:func:`quant_values` for heads of different lengths: probs (H, R, S) float32 whose first n_h columns of head
+    h weigh its values; tiers[h] = (v_codes, v_scale, v_zero) of head h alone (n_h tokens).
+    -> (H, R, D) float32: each head's probs[:, :n_h] @ its dequantized values."""
+    h, r, stride = probs.shape
+    if len(tiers) != h:
+        raise ValueError(f"one tier per head: probs has {h} heads, tiers has {len(tiers)}")
+    if not tiers:
+        return probs.new_zeros(0, r, 0)
+    d = tiers[0][0].shape[-1] * 8 // bits
+    _shape(d, bits)
+    packed = d * bits // 8
+    checked, lengths = [], []
+    for head, (codes, scale, zero) in enumerate(tiers):
+        n = _windows("v_codes", codes, packed, head)
+        if n > stride or scale.numel() != n or zero.numel() != n:
+            raise ValueError(f"head {head}: {n} values need v_scale and v_zero of {n} and at most {stride} "
+                             f"probability columns (got {scale.numel()}, {zero.numel()})")
+        checked.append((_check("v_codes", codes, torch.uint8), _check("v_scale", scale, torch.float32),
+                        _check("v_zero", zero, torch.float32)))
+        lengths.append(n)
+    probs = _check("probs", probs, torch.float32)
+    out = probs.new_empty(h, r, d)
+    n = (ctypes.c_int64 * h)(*lengths)
+    codes, scale, zero = (_pointers([c[i] for c in checked]) for i in range(3))
+    lib = _library()
+    _over_heads(lambda h0, h1: lib.quant_values_varlen(probs.data_ptr(), stride, codes, scale, zero, n,
+                                                       out.data_ptr(), h0, h1, r, d, bits), h)
+    return out
+
+
 def _dequantize(codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
     unpacked = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
@@ -186,3 +271,30 @@ def quant_values_reference(probs, v_codes, v_scale, v_zero, bits, dtype=torch.fl
     """:func:`quant_values` in PyTorch, computed in ``dtype``."""
     values = _dequantize(v_codes, bits, v_scale.to(dtype), v_zero.to(dtype))
     return (probs[..., :v_codes.shape[2]].to(dtype) @ values).float()
+
+
+def quant_logits_varlen_reference(rows, tiers, cos, sin, sinks, omega, bits, scaling, width=None,
+                                  dtype=torch.float32):
+    """:func:`quant_logits_varlen` in PyTorch, one head at a time, computed in ``dtype``."""
+    d = rows.shape[-1]
+    parts = []
+    for head, (codes, scale, zero, ids) in enumerate(tiers):
+        n = codes.numel() * 8 // (d * bits)
+        if n == 0:
+            parts.append(rows.new_zeros(rows.shape[1], 0, dtype=dtype))
+            continue
+        parts.append(quant_logits_reference(rows[head][None, None], codes.reshape(1, 1, n, d * bits // 8),
+                                            scale.reshape(1, 1, -1, d), zero.reshape(1, 1, -1, d),
+                                            ids.reshape(1, -1), cos, sin, sinks, omega, bits, scaling, dtype)[0, 0])
+    width = max((p.shape[-1] for p in parts), default=0) if width is None else width
+    return torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts])
+
+
+def quant_values_varlen_reference(probs, tiers, bits, dtype=torch.float32):
+    """:func:`quant_values_varlen` in PyTorch, one head at a time, computed in ``dtype``."""
+    d = tiers[0][0].shape[-1] * 8 // bits
+    return torch.stack([quant_values_reference(probs[head][None, None],
+                                               codes.reshape(1, 1, scale.numel(), d * bits // 8),
+                                               scale.reshape(1, 1, -1, 1), zero.reshape(1, 1, -1, 1), bits,
+                                               dtype)[0, 0]
+                        for head, (codes, scale, zero) in enumerate(tiers)])

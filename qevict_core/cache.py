@@ -73,12 +73,7 @@ class QEvictLayer(ReportingLayer):
         self.is_initialized = True
 
     def append(self, key_states, value_states):
-        to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
-        if to_sinks:
-            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
-            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
-        self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sinks:]], dim=2)
-        self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
+        self.store(key_states, value_states)
         keys = [self.sink_k, self.full_k, self.recent_k]
         values = [self.sink_v, self.full_v, self.recent_v]
         if self.quant.num_windows and self.owner.kernels == "torch":
@@ -86,6 +81,15 @@ class QEvictLayer(ReportingLayer):
         keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
         self.owner.note_workspace(keys.nbytes + values.nbytes)
         return keys, values
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New tokens into the sinks, then the recent region (``seen`` is the caller's to advance)."""
+        to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
+        if to_sinks:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
+        self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sinks:]], dim=2)
+        self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
 
     def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):

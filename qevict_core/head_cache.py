@@ -35,6 +35,7 @@ import torch
 
 from .budget import KVShape
 from .cache import QEvictCache, QEvictLayer
+from . import head_step
 from .cache_base import ReportingLayer
 from .config import QEvictConfig
 
@@ -54,6 +55,12 @@ class HeadLayer(QEvictLayer):
     def capacities(self) -> tuple[int, int]:
         return self.allotted
 
+    def push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A decode step's token, stored without building this head's attended keys (head_step lays out every
+        head's at once)."""
+        self.store(key_states, value_states)
+        self.seen += key_states.shape[2]
+
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
         if self.rank_table is None:
             return super().candidate_ranks(cand_ids)
@@ -61,31 +68,55 @@ class HeadLayer(QEvictLayer):
 
 
 class HeadwiseLayer(ReportingLayer):
-    """The KV heads of one layer, each a :class:`HeadLayer`; attention runs head group by head group."""
+    """The KV heads of one layer, each a :class:`HeadLayer`. A decode step on the CPU kernel runs every head in one
+    pass (head_step.py); anything else (the prompt, other kernels) runs head group by head group."""
 
     def __init__(self, layer_idx: int, owner: HeadwiseQEvictCache, kv_heads: int):
         super().__init__(layer_idx, owner)
         self.heads = [HeadLayer(layer_idx, owner, h) for h in range(kv_heads)]
-        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: this step runs in one pass
+        # The heads' score tables, stacked (H, W): each head's table is a row of it, so one scatter folds them all.
+        self.scores: torch.Tensor | None = None
+        self.interval: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states):
         self.is_initialized = True
 
     def append(self, key_states, value_states):
         # (B, H, n, D) -> H heads of (B, 1, n, D); each copies what it keeps.
+        if self._one_pass(key_states.shape[2]):
+            for h, head in enumerate(self.heads):
+                head.push(key_states[:, h:h + 1], value_states[:, h:h + 1])
+            self._parts = None
+            return key_states, value_states
         self._parts = [head.update(key_states[:, h:h + 1], value_states[:, h:h + 1])
                        for h, head in enumerate(self.heads)]
+        if self.scores is None:
+            self._stack_tables()
         # Every head's attended keys are alive together until attention has run.
         self.owner.note_workspace(sum(k.nbytes + v.nbytes for k, v in self._parts))
         return key_states, value_states  # a handle: attention reads the heads' parts
 
+    def _one_pass(self, tokens: int) -> bool:
+        owner = self.owner
+        return owner.kernels == "cpu" and owner.step > 0 and tokens == 1 and not owner.plan.uncompressed
+
+    def _stack_tables(self) -> None:
+        self.scores = torch.cat([head.scores for head in self.heads])
+        for h, head in enumerate(self.heads):
+            head.scores = self.scores[h:h + 1]
+        if self.heads[0].interval is not None:
+            self.interval = torch.cat([head.interval for head in self.heads])
+            for h, head in enumerate(self.heads):
+                head.interval = self.interval[h:h + 1]
+
     def attend(self, module, query, key, value, scaling, dropout):
-        parts, self._parts = self._parts, []
-        g = query.shape[1] // len(self.heads)
-        outs = []
-        for h, (head, (k, v)) in enumerate(zip(self.heads, parts)):
-            head.claim(k)  # drops the head's reference to its keys once this step is done with them
-            outs.append(head.attend_and_score(module, query[:, h * g:(h + 1) * g], k, v, scaling, dropout))
+        if self._parts is None:
+            out, keys, values, lens = head_step.attend(self, query, scaling)
+            parts = [(keys[h, :n][None, None], values[h, :n][None, None]) for h, n in enumerate(lens)]
+        else:
+            out, parts = self._attend_per_head(module, query, scaling, dropout)
+        self._parts = []
         if self.owner.routed():
             for head in self.heads:
                 head.settle()
@@ -97,7 +128,16 @@ class HeadwiseLayer(ReportingLayer):
                 head.rank_table = None
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
-        return torch.cat(outs, dim=2)  # (B, L, Hq, D): head h's group of query heads in place
+        return out
+
+    def _attend_per_head(self, module, query, scaling, dropout):
+        parts = self._parts
+        g = query.shape[1] // len(self.heads)
+        outs = []
+        for h, (head, (k, v)) in enumerate(zip(self.heads, parts)):
+            head.claim(k)  # drops the head's reference to its keys once this step is done with them
+            outs.append(head.attend_and_score(module, query[:, h * g:(h + 1) * g], k, v, scaling, dropout))
+        return torch.cat(outs, dim=2), parts  # (B, L, Hq, D): head h's group of query heads in place
 
     def resident_bytes(self) -> dict[str, int]:
         total: dict[str, int] = {}

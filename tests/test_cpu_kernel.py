@@ -66,6 +66,52 @@ def test_quant_values_match_the_reference(batch, heads, rows, dim, windows, omeg
                                 cpu_decode.quant_values_reference(probs, v_codes, v_scale, v_zero, bits))
 
 
+VARLEN = [  # windows per head (0 = an empty tier), rows (G), head_dim, Ω, bits, extra padded columns
+    ((97, 13, 0), 3, 64, 8, 2, 0), ((5, 41), 4, 64, 8, 4, 9), ((0, 0, 3), 2, 48, 7, 2, 1), ((11, 2), 5, 6, 3, 4, 0),
+]
+
+
+def varlen_inputs(windows, rows, dim, omega, bits, seed=0):
+    """Head h's tier drawn as a one-head ledger of windows[h] windows: each head its own tensors."""
+    heads = [ledger_inputs(1, 1, rows, dim, w, omega, bits, seed=seed + h) for h, w in enumerate(windows)]
+    args = heads[max(range(len(windows)), key=windows.__getitem__)][0]  # cos/sin rows for every head's positions
+    tiers = [(a["k_codes"], a["k_scale"], a["k_zero"], a["ids"]) for a, _ in heads]
+    values = [(v, torch.rand(1, 1, v.shape[2], 1) / 4, torch.randn(1, 1, v.shape[2], 1)) for _, v in heads]
+    query = torch.randn(len(windows), rows, dim, generator=torch.Generator().manual_seed(seed))
+    return dict(rows=query, tiers=tiers, cos=args["cos"], sin=args["sin"], sinks=5, omega=omega, bits=bits,
+                scaling=dim ** -0.5), values
+
+
+@pytest.mark.parametrize("windows,rows,dim,omega,bits,extra", VARLEN)
+def test_varlen_heads_match_the_reference_and_pad_with_minus_infinity(windows, rows, dim, omega, bits, extra):
+    args, values = varlen_inputs(windows, rows, dim, omega, bits)
+    width = max(windows) * omega + extra
+    got = cpu_decode.quant_logits_varlen(**args, width=width)
+    assert got.shape == (len(windows), rows, width)
+    for h, w in enumerate(windows):
+        assert torch.isneginf(got[h, :, w * omega:]).all() and torch.isfinite(got[h, :, :w * omega]).all()
+    finite = torch.isfinite(got)
+    ref64 = cpu_decode.quant_logits_varlen_reference(**args, width=width, dtype=torch.float64)
+    ref32 = cpu_decode.quant_logits_varlen_reference(**args, width=width)
+    assert_within_float32_error(got[finite], ref64[finite], ref32[finite])
+    # A softmax over [each head's quantized keys | 9 more]: the values read only each head's own columns.
+    probs = torch.softmax(torch.cat([got, torch.randn(len(windows), rows, 9)], -1), -1)
+    out = cpu_decode.quant_values_varlen(probs, values, bits)
+    assert out.shape == (len(windows), rows, dim)
+    assert_within_float32_error(out, cpu_decode.quant_values_varlen_reference(probs, values, bits, torch.float64),
+                                cpu_decode.quant_values_varlen_reference(probs, values, bits))
+
+
+def test_varlen_refuses_a_tier_that_does_not_fit():
+    args, values = varlen_inputs((4, 2), 3, 64, 8, 2)
+    with pytest.raises(ValueError, match="width must be at least the longest tier, 32 keys"):
+        cpu_decode.quant_logits_varlen(**args, width=31)
+    with pytest.raises(ValueError, match="one tier per head"):
+        cpu_decode.quant_logits_varlen(**{**args, "tiers": args["tiers"][:1]})
+    with pytest.raises(ValueError, match="at most 16 probability columns"):
+        cpu_decode.quant_values_varlen(torch.rand(2, 3, 16), values, 2)
+
+
 def test_threads_split_heads_without_changing_results():
     args, _ = ledger_inputs(2, 3, 3, 64, 40, 8, 2)
     threads = torch.get_num_threads()

@@ -141,3 +141,49 @@ def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
         assert (event.full, event.quantized) == (ref.full, ref.quantized)
     with pytest.raises(ValueError, match=r"shared must lie in \[0, 1\]"):
         HeadwiseQEvictCache(model, config, max_length=300, shared=1.5)
+
+
+def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
+    """(tokens, logits, cache) of qevict_head decoding head by head, then with every head in one pass per layer."""
+    from qevict_core import head_step
+    from qevict_core.head_cache import HeadwiseLayer
+
+    one_pass = HeadwiseLayer._one_pass
+    calls = []
+    monkeypatch.setattr(head_step, "attend", lambda *a, _f=head_step.attend: calls.append(1) or _f(*a))
+    runs = []
+    for allowed in (False, True):
+        monkeypatch.setattr(HeadwiseLayer, "_one_pass", lambda self, n, _a=allowed: _a and one_pass(self, n))
+        cache = make_cache("qevict_head", model, config, max_length=prompt.shape[1] + new)
+        assert cache.kernels == "cpu"
+        out = model.generate(prompt, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences, torch.stack(out.logits), cache))
+        assert bool(calls) == allowed
+    return runs
+
+
+@pytest.mark.parametrize("family,kv_heads,bits,scorer", [("llama", 2, 2, "cumulative"), ("qwen2", 4, 4, "pnorm")])
+def test_one_pass_over_the_heads_decodes_as_head_by_head(monkeypatch, family, kv_heads, bits, scorer):
+    model = tiny_model(family, kv_heads)
+    config = QEvictConfig(budget=0.2, bits=bits, scorer=scorer)
+    (ref_tokens, ref_logits, ref), (tokens, logits, cache) = _per_head_and_one_pass(
+        monkeypatch, model, random_prompt(500), config, 48)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for layer, ref_layer in zip(cache.layers, ref.layers):
+        for head, ref_head in zip(layer.heads, ref_layer.heads):
+            assert torch.equal(head.full_ids, ref_head.full_ids) and torch.equal(head.quant.ids, ref_head.quant.ids)
+            torch.testing.assert_close(head.scores, ref_head.scores, rtol=1e-4, atol=1e-5)
+            assert head.scores.data_ptr() == layer.scores[head.head:].data_ptr()  # a row of the layer's table
+    assert cache.summary() == ref.summary() and cache.summary()["promotions"] > 0
+    assert cache.memory_report()["components"] == ref.memory_report()["components"]
+
+
+def test_one_pass_over_the_heads_on_smollm2_generates_head_by_heads_tokens(monkeypatch, smollm2):
+    from tests.test_smollm2 import passage_prompt
+
+    model, tok = smollm2
+    (ref_tokens, _, _), (tokens, _, _) = _per_head_and_one_pass(
+        monkeypatch, model, passage_prompt(tok, 1000), QEvictConfig(budget=0.2), 32)
+    assert tokens.tolist() == ref_tokens.tolist()

@@ -40,9 +40,9 @@ INLINE float dot(const float *a, const float *b, int d) {
 }
 
 INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_scale, const float *k_zero,
-                        const int32_t *ids, const float *cos, const float *sin, float *out, int64_t heads_per_row,
-                        int64_t h0, int64_t h1, int64_t rows, int64_t n, const int d, const int bits,
-                        int64_t omega, int64_t sinks, float scaling) {
+                        const int32_t *ids, const float *cos, const float *sin, float *out, int64_t out_stride,
+                        int64_t heads_per_row, int64_t h0, int64_t h1, int64_t rows, int64_t n, const int d,
+                        const int bits, int64_t omega, int64_t sinks, float scaling) {
     const int per = 8 / bits, packed = d / per, half = d / 2;
     const int64_t windows = n / omega;
     float table[256 * 4], key[MAX_D], rot[MAX_D];
@@ -50,7 +50,7 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_s
     for (int64_t bh = h0; bh < h1; bh++) {
         const int32_t *row_ids = ids + (bh / heads_per_row) * windows;
         const float *qh = q + bh * rows * d;
-        float *oh = out + bh * rows * n;
+        float *oh = out + bh * rows * out_stride;
         for (int64_t t = 0; t < n; t++) {
             const int64_t w = t / omega, pos = sinks + (int64_t)row_ids[w] * omega + t % omega;
             const float *sc = k_scale + (bh * windows + w) * d, *zc = k_zero + (bh * windows + w) * d;
@@ -59,7 +59,7 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_s
             for (int i = 0; i < d; i++) key[i] = key[i] * sc[i] + zc[i];
             for (int i = 0; i < half; i++) rot[i] = key[i] * c[i] - key[i + half] * s[i];
             for (int i = 0; i < half; i++) rot[i + half] = key[i + half] * c[i + half] + key[i] * s[i + half];
-            for (int64_t r = 0; r < rows; r++) oh[r * n + t] = dot(qh + r * d, rot, d) * scaling;
+            for (int64_t r = 0; r < rows; r++) oh[r * out_stride + t] = dot(qh + r * d, rot, d) * scaling;
         }
     }
 }
@@ -95,8 +95,13 @@ INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_cod
     else if ((D) == 128 && (BITS) == 4) BODY(__VA_ARGS__, 128, 4);                     \
     else BODY(__VA_ARGS__, (int)(D), (int)(BITS));
 
-#define LOGITS(...) logits_body(q, k_codes, k_scale, k_zero, ids, cos, sin, out, heads_per_row, h0, h1, rows, n, \
-                                __VA_ARGS__, omega, sinks, scaling)
+#define LOGITS(...) logits_body(q, k_codes, k_scale, k_zero, ids, cos, sin, out, n, heads_per_row, h0, h1, rows, \
+                                n, __VA_ARGS__, omega, sinks, scaling)
+#define LOGITS_ONE(...) logits_body(q + h * rows * d, k_codes[h], k_scale[h], k_zero[h], ids[h], cos, sin,         \
+                                    out + h * rows * stride, stride, 1, 0, 1, rows, n[h], __VA_ARGS__, omega, sinks, \
+                                    scaling)
+#define VALUES_ONE(...) values_body(probs + h * rows * stride, stride, v_codes[h], v_scale[h], v_zero[h],            \
+                                    out + h * rows * d, 0, 1, rows, n[h], __VA_ARGS__)
 #define VALUES(...) values_body(probs, stride, v_codes, v_scale, v_zero, out, h0, h1, rows, n, __VA_ARGS__)
 #define UNUSED 0
 
@@ -124,5 +129,40 @@ int quant_values(const float *probs, int64_t stride, const uint8_t *v_codes, con
     if (bad_shape(d, bits) || stride < n) return 1;
 #define VALUES_AT(unused, D, BITS) VALUES(D, BITS)
     DISPATCH(VALUES_AT, d, bits, UNUSED)
+    return 0;
+}
+
+/* Heads of one layer whose tiers differ in length ("varlen"): head h's tier is its own allocation (pointer
+ * arrays, n[h] keys, window-major), so a layer whose heads keep different windows runs in one call.
+ * q (H, R, D); out (H, R, stride): head h's columns [0, n[h]) get its logits, [n[h], stride) -inf, so one
+ * softmax over the padded rows weighs every head's keys and nothing else. Heads [h0, h1). */
+int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const float *const *k_scale,
+                        const float *const *k_zero, const int32_t *const *ids, const int64_t *n, const float *cos,
+                        const float *sin, float *out, int64_t stride, int64_t h0, int64_t h1, int64_t rows,
+                        int64_t d, int64_t bits, int64_t omega, int64_t sinks, float scaling) {
+    if (bad_shape(d, bits) || omega <= 0) return 1;
+    for (int64_t h = h0; h < h1; h++)
+        if (n[h] < 0 || n[h] % omega || n[h] > stride) return 1;
+    for (int64_t h = h0; h < h1; h++) {
+#define LOGITS_ONE_AT(unused, D, BITS) LOGITS_ONE(D, BITS)
+        DISPATCH(LOGITS_ONE_AT, d, bits, UNUSED)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = n[h]; t < stride; t++) out[(h * rows + r) * stride + t] = -__builtin_inff();
+    }
+    return 0;
+}
+
+/* probs (H, R, stride) whose first n[h] columns of head h weigh its quantized values; v_codes[h] (n[h], D/per);
+ * v_scale[h], v_zero[h] (n[h]); out (H, R, D) is overwritten with each head's probs @ dequantized values. */
+int quant_values_varlen(const float *probs, int64_t stride, const uint8_t *const *v_codes,
+                        const float *const *v_scale, const float *const *v_zero, const int64_t *n, float *out,
+                        int64_t h0, int64_t h1, int64_t rows, int64_t d, int64_t bits) {
+    if (bad_shape(d, bits)) return 1;
+    for (int64_t h = h0; h < h1; h++)
+        if (n[h] < 0 || n[h] > stride) return 1;
+    for (int64_t h = h0; h < h1; h++) {
+#define VALUES_ONE_AT(unused, D, BITS) VALUES_ONE(D, BITS)
+        DISPATCH(VALUES_ONE_AT, d, bits, UNUSED)
+    }
     return 0;
 }

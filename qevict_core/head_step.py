@@ -1,0 +1,70 @@
+"""One decode step of every KV head of a layer at once: ``qevict_head`` on the CPU kernel.
+
+qevict_head keeps each KV head's tiers apart (head_cache.py). Stepping them head by head runs QEvict's decode step
+H times per layer, each a few dozen small tensor operations, which made its step 1.36x QEvict's at 4K tokens
+(bench/results/speed_head). Here one pass serves the layer: the heads' full-precision keys [sinks | full | recent]
+are laid side by side in a padded (H, F, D) workspace, their quantized tiers are read in place by one varlen
+kernel call (``cpu_decode.quant_logits_varlen``), one softmax runs over the padded rows (padding sits at -inf and
+weighs nothing), and one scatter folds every head's window mass into the layer's stacked (H, W) score table. The
+math is the per-head step's (``cpu_path``); only the order of float sums may differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_decode
+
+
+def attend(layer, query: torch.Tensor, scaling: float):
+    """query (1, Hq, 1, D) of a decode step of ``layer`` (a HeadwiseLayer whose heads hold this step's token).
+    -> out (1, 1, Hq, D) in the query dtype; keys, values (H, F, D), head h's [sinks | full | recent] in its first
+    lens[h] rows (the workspace routing reads); lens."""
+    heads, owner = layer.heads, layer.owner
+    omega, sinks = owner.config.omega, heads[0].sink_k.shape[2]
+    h, g, d = len(heads), query.shape[1] // len(heads), query.shape[-1]
+    lens = [sinks + head.full_k.shape[2] + head.recent_k.shape[2] for head in heads]
+    width = sinks + -(-(max(lens) - sinks) // omega) * omega  # whole windows after the sinks, for the window sums
+    keys, values = query.new_zeros(h, width, d), query.new_zeros(h, width, d)
+    for i, (head, n) in enumerate(zip(heads, lens)):
+        torch.cat([head.sink_k[0, 0], head.full_k[0, 0], head.recent_k[0, 0]], out=keys[i, :n])
+        torch.cat([head.sink_v[0, 0], head.full_v[0, 0], head.recent_v[0, 0]], out=values[i, :n])
+    rows = query.float().reshape(h, g, d)  # (H, G, D): KV head h's group of query heads, one query each
+    logits = torch.bmm(rows, keys.transpose(1, 2)).mul_(scaling)  # (H, G, F)
+    padding = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)  # (H, F)
+    logits.masked_fill_(padding.unsqueeze(1), float("-inf"))
+    n_quant = max(head.quant.num_windows for head in heads) * omega
+    if n_quant:  # [quantized | full precision] per head, each part padded to the layer's longest
+        cos, sin = owner.rope_table(keys)
+        quant = cpu_decode.quant_logits_varlen(
+            rows, [(q.k_codes, q.k_scale, q.k_zero, q.ids) for q in (head.quant for head in heads)], cos, sin,
+            owner.config.sinks, omega, owner.config.bits, scaling, width=n_quant)
+        logits = torch.cat([quant, logits], dim=-1)
+    probs = torch.softmax(logits, dim=-1)  # (H, G, Q + F)
+    out = torch.bmm(probs[..., n_quant:], values)  # (H, G, D)
+    if n_quant:
+        out += cpu_decode.quant_values_varlen(
+            probs, [(q.v_codes, q.v_scale, q.v_zero) for q in (head.quant for head in heads)], owner.config.bits)
+    owner.note_workspace(keys.nbytes + values.nbytes + logits.nbytes + probs.nbytes)
+    if owner.scorer.needs_attention:
+        fold(layer, probs.sum(dim=1), n_quant, sinks, g)
+    return out.reshape(1, 1, h * g, d).to(query.dtype), keys, values, lens
+
+
+def fold(layer, mass: torch.Tensor, n_quant: int, sinks: int, q_heads: int) -> None:
+    """mass (H, Q + F): each key's attention mass in the padded layout of :func:`attend` -> the stacked score
+    table, Eq. 1 averaged over each head's ``q_heads`` query heads. Padded keys carry no mass, so their window slots
+    may name any window: they name window 0 and add zero to it."""
+    heads, owner = layer.heads, layer.owner
+    omega = owner.config.omega
+    per_key = torch.cat([mass[:, :n_quant], mass[:, n_quant + sinks:]], dim=1)  # the sinks belong to no window
+    per_window = per_key.view(len(heads), -1, omega).sum(dim=2).div_(q_heads)  # (H, Wq + Wf)
+    quant_slots = n_quant // omega
+    first_recent = (heads[0].recent_start - owner.config.sinks) // omega
+    recent = torch.arange(first_recent, first_recent + -(-heads[0].recent_k.shape[2] // omega),
+                          dtype=torch.int32).unsqueeze(0)  # the same windows in every head
+    zeros = torch.zeros(1, per_window.shape[1], dtype=torch.int32)
+    ids = torch.cat([torch.cat([head.quant.ids, zeros[:, :quant_slots - head.quant.num_windows], head.full_ids,
+                                recent, zeros[:, quant_slots + head.full_ids.shape[1] + recent.shape[1]:]], dim=1)
+                     for head in heads])  # (H, Wq + Wf)
+    owner.scorer.fold(layer.scores, layer.interval, ids.long(), per_window)
