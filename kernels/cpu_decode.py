@@ -8,7 +8,11 @@ the source, the flags and the CPU's features (``$QEVICT_CACHE_DIR/kernels``, els
 :func:`available` says whether that worked and, if not, why.
 Work is split over KV heads across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 
-``quant_logits_reference`` and ``quant_values_reference`` are the same math in PyTorch, in a chosen dtype.
+The ``*_varlen`` entries take the heads of one layer whose tiers differ in length, each head's tensors its own
+(``qevict_head``): one call per layer, padded columns at -inf.
+
+``quant_logits_reference`` and ``quant_values_reference`` (and their ``_varlen`` forms) are the same math in
+PyTorch, in a chosen dtype.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ class HeadwiseLayer(ReportingLayer):
     def attend(self, module, query, key, value, scaling, dropout):
         if self._parts is None:
             out, keys, values, lens = head_step.attend(self, query, scaling)
-            parts = [(keys[h, :n][None, None], values[h, :n][None, None]) for h, n in enumerate(lens)]
+            parts = ([(keys[h, :n][None, None], values[h, :n][None, None]) for h, n in enumerate(lens)]
+                     if self.owner.routed() else [])  # (1, 1, n_h, D) views: what each head's move reads
         else:
             out, parts = self._attend_per_head(module, query, scaling, dropout)
         self._parts = []
