@@ -1,11 +1,11 @@
 """One decode step of every KV head of a layer at once: ``qevict_head`` on the CPU kernel.
 
-qevict_head keeps each KV head's tiers apart (head_cache.py). Stepping them head by head runs QEvict's decode step
-H times per layer, each a few dozen small tensor operations, which made its step 1.36x QEvict's at 4K tokens
-(bench/results/speed_head). Here one pass serves the layer: the heads' full-precision keys [sinks | full | recent]
-are laid side by side in a padded (H, F, D) workspace, their quantized tiers are read in place by one varlen
-kernel call (``cpu_decode.quant_logits_varlen``), one softmax runs over the padded rows (padding sits at -inf and
-weighs nothing), and one scatter folds every head's window mass into the layer's stacked (H, W) score table. The
+qevict_head keeps each KV head's tiers apart (head_cache.py). Stepping them head by head runs QEvict's decode step H
+times per layer, each a few dozen small tensor operations, which made its step 1.36x QEvict's at 4K tokens
+(bench/README.md, "Head-adaptive routing"). Here one pass serves the layer: the heads' full-precision keys [sinks |
+full | recent] are laid side by side in a padded (H, F, D) workspace, their quantized tiers are read in place by one
+varlen kernel call (``cpu_decode.quant_logits_varlen``), one softmax runs over the padded rows (padding sits at -inf
+and weighs nothing), and one scatter folds every head's window mass into the layer's stacked (H, W) score table. The
 math is the per-head step's (``cpu_path``); only the order of float sums may differ.
 """
 
