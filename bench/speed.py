@@ -6,9 +6,11 @@ measured in the same process.
     python -m bench.speed --device cuda --model random:llama-8b --contexts 8192,16384 --batch 8   # on a GPU
     python -m bench.speed --methods fullkv,qevict,qevict@torch --contexts 4096   # a method on a chosen path
     python -m bench.speed --methods fullkv,qevict --contexts 4096 --mmap-threshold 131072   # allocator setting
+    python -m bench.speed --methods fullkv,fullkv/512,qevict/512 --contexts 4096   # prompts read in chunks
 
 ``method@path`` runs a method with ``QEvictConfig(kernels=path)`` (auto, triton, cpu, torch); a bare name runs
-``auto``, which is what users get (on CPU: the C kernel when a compiler builds it).
+``auto``, which is what users get (on CPU: the C kernel when a compiler builds it). ``method/N`` reads the prompt
+in chunks of N tokens (``qevict_core.prefill``); ratios are always against ``fullkv``, which reads it whole.
 
 Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
 are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
@@ -42,6 +44,7 @@ import torch
 
 from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
 from qevict_core.fast_path import kernel_path
+from qevict_core.prefill import prefill
 
 from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup
 
@@ -126,10 +129,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def parse_spec(spec: str) -> tuple[str, str, int | None]:
+    """``name[@path][/chunk]`` -> (name, path, prefill chunk or None)."""
+    rest, slash, chunk = spec.partition("/")
+    name, _, kernels = rest.partition("@")
+    if slash and not (chunk.isdigit() and int(chunk) >= 1):
+        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
+    return name, kernels or "auto", int(chunk) if slash else None
+
+
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:
     device = prompt.device
-    name, _, kernels = method.partition("@")
-    cache = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels or "auto"),
+    name, kernels, chunk = parse_spec(method)
+    cache = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels),
                        max_length=prompt.shape[1] + new_tokens, batch_size=prompt.shape[0])
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -140,7 +152,7 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
     with PeakRSS() as rss, torch.inference_mode():
         sync(device)
         start = time.perf_counter()
-        token = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = prefill(model, prompt, cache, chunk).argmax(-1, keepdim=True)
         sync(device)
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
@@ -232,9 +244,9 @@ def main(argv=None) -> None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by glibc when each run's process starts
         meta["mmap_threshold"] = args.mmap_threshold
     specs = [m.strip() for m in args.methods.split(",")]
-    for spec in specs:  # bad paths fail before anything runs, with the allowed values
-        QEvictConfig(kernels=spec.partition("@")[2] or "auto")
-    lanes = [(spec, b) for spec in specs for m, b in method_lanes([spec.partition("@")[0]], [args.budget])
+    for spec in specs:  # bad paths and chunks fail before anything runs, with the allowed values
+        QEvictConfig(kernels=parse_spec(spec)[1])
+    lanes = [(spec, b) for spec in specs for m, b in method_lanes([parse_spec(spec)[0]], [args.budget])
              if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
     budget_of = dict(lanes)  # None for methods without a byte budget (fullkv, the quantization baselines)
     rows = []

@@ -26,14 +26,18 @@ from .rope import Rope
 
 
 def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],
-             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             cos: torch.Tensor, sin: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """ledger: the quantized tier (pre-RoPE keys); fp_*: full-precision tiers (B, H, n_i, D) in order; cos, sin
-    (B, 1, n*Ω, D): rows for the tier's positions. -> keys, values (B, H, N, D)."""
+    (B, 1, n*Ω, D): rows for the tier's positions. -> keys, values (B, H, N, D).
+
+    ``capacity``: allocate room for that many tokens and return views of the first N. A caller whose N grows
+    from call to call (a prompt read in chunks) then asks the allocator for the same size every time, which it
+    reuses; growing requests leave holes that glibc does not hand back, and the process's peak memory grows."""
     b, h, nq, _ = ledger.v_codes.shape
     d = fp_keys[0].shape[-1]
     total = nq + sum(t.shape[2] for t in fp_keys)
-    keys = fp_keys[0].new_empty(b, h, total, d)  # (B, H, N, D)
-    values = fp_values[0].new_empty(b, h, total, d)
+    keys = fp_keys[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]  # (B, H, N, D)
+    values = fp_values[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]
     by_window = ledger.k_codes.reshape(b, h, ledger.num_windows, ledger.omega, -1)  # (B, H, n, Ω, D/c)
     quant_keys = dequantize_packed(by_window, ledger.bits, ledger.k_scale.unsqueeze(3), ledger.k_zero.unsqueeze(3))
     _rotate_into(keys[:, :, :nq], quant_keys.reshape(b, h, nq, d), cos, sin)

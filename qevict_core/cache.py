@@ -28,6 +28,7 @@ from .ledger import WindowLedger
 from .rope import Rope, unrotate
 from .scorers import make_scorer
 from .scoring import attend_with_mass, kv_head_mass
+from .staging import PromptStage
 from . import cpu_path, fast_path
 from .assemble import assemble
 from .attention import sdpa_with_positions, use_qevict_attention
@@ -43,9 +44,10 @@ class RoutingSchedule:
         self.last_route: int | None = None
         self.routing_now = False
 
-    def begin_forward(self, num_tokens: int) -> None:
+    def begin_forward(self, num_tokens: int, hold: bool = False) -> None:
+        """``hold``: a chunk of the prompt before its last, which never routes (staging.py)."""
         self.seen += num_tokens
-        self.routing_now = self.last_route is None or self.seen - self.last_route >= self.omega
+        self.routing_now = not hold and (self.last_route is None or self.seen - self.last_route >= self.omega)
         if self.routing_now:
             self.last_route = self.seen
 
@@ -67,6 +69,7 @@ class QEvictLayer(ReportingLayer):
         self.dormant = ledger if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
         self.recent_start = owner.config.sinks
+        self.stage: PromptStage | None = None  # the prompt so far, while it is read in chunks (staging.py)
         windows = 0 if owner.plan.uncompressed else owner.plan.num_windows
         self.scores = torch.zeros(b, windows, dtype=torch.float32, device=key_states.device)
         self.interval = torch.zeros_like(self.scores) if owner.scorer.keeps_interval else None
@@ -74,6 +77,15 @@ class QEvictLayer(ReportingLayer):
 
     def append(self, key_states, value_states):
         self.store(key_states, value_states)
+        if self.owner.staging and not self.owner.plan.uncompressed:
+            if self.stage is None:
+                self.stage = PromptStage(key_states, self._grid[0], self.owner.max_length)
+            keys, values = self.stage.keys_values(self)
+            self.owner.note_workspace(keys.nbytes + values.nbytes)
+            return keys, values
+        if self.stage is not None:  # the prompt's last chunk: routed as if the prompt were read whole
+            self.stage.release(self)
+            self.stage = None
         keys = [self.sink_k, self.full_k, self.recent_k]
         values = [self.sink_v, self.full_v, self.recent_v]
         if self.quant.num_windows and self.owner.kernels == "torch":
@@ -107,7 +119,9 @@ class QEvictLayer(ReportingLayer):
 
     def attend(self, module, query, key, value, scaling, dropout):
         out = self.attend_and_score(module, query, key, value, scaling, dropout)
-        if self.owner.routed():
+        if self.stage is not None:
+            self.stage.absorb(self)
+        elif self.owner.routed():
             self.route(key, value)
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
@@ -120,6 +134,12 @@ class QEvictLayer(ReportingLayer):
         scored = self.owner.scorer.needs_attention
         query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
         window = self.owner.config.prefill_window
+        if self.stage is not None:  # a chunk of the prompt before its last: no observation window in it yet
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+            if scored and not window:
+                self.stage.fold(self, kv_head_mass(query, query_pos, key, self.stage.positions(self), scaling),
+                                query.shape[1])
+            return out
         if self.owner.kernels == "cpu" and self.owner.step > 0:  # the prompt has no quantized tier yet
             out, mass = cpu_path.attend(self, query, key, value, scaling)
             if scored:
@@ -312,6 +332,7 @@ class QEvictLayer(ReportingLayer):
             "index": quant["index"] + self.full_ids.nbytes,
             "ledger": dormant + self.dormant_valid.nbytes,
             "scores": self.scores.nbytes + (self.interval.nbytes if self.interval is not None else 0),
+            "staged": self.stage.nbytes() if self.stage is not None else 0,
         }
 
     def tier_counts(self) -> dict[str, int]:
@@ -320,8 +341,9 @@ class QEvictLayer(ReportingLayer):
         sinks, omega = self._grid
         left_recent = (self.recent_start - sinks) // omega
         n_full, n_quant = self.full_ids.shape[1], self.quant.num_windows
-        return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2], "full": n_full * omega,
-                "quantized": n_quant * omega, "evicted": (left_recent - n_full - n_quant) * omega}
+        staged = self.stage.num_tokens if self.stage is not None else 0  # the prompt not yet routed: recent
+        return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2] + staged, "full": n_full * omega,
+                "quantized": n_quant * omega, "evicted": (left_recent - n_full - n_quant) * omega - staged}
 
 
 def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
@@ -342,6 +364,7 @@ class QEvictCache(ReportingCache):
     """Three-tier recoverable cache for one generation of at most ``max_length`` tokens."""
 
     method = "qevict"
+    chunked_prefill = "staged"
 
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1):
         use_qevict_attention(model)
@@ -366,7 +389,7 @@ class QEvictCache(ReportingCache):
         return QEvictLayer(layer_idx, self)
 
     def begin_forward(self, num_tokens: int) -> None:
-        self.schedule.begin_forward(num_tokens)
+        self.schedule.begin_forward(num_tokens, hold=self.staging)
         self._rope_table = None
 
     def routed(self) -> bool:

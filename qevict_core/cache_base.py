@@ -84,9 +84,16 @@ class ReportingLayer(CacheLayerMixin):
 
 
 class ReportingCache(Cache):
-    """Base of every registry cache. ``step`` counts forwards (0 = prefill)."""
+    """Base of every registry cache. ``step`` counts forwards (0 = prefill, the prompt's last chunk when it is read
+    in chunks).
+
+    ``chunked_prefill``: how the cache reads a prompt given in several forwards (``prefill.py``): "exact" (it keeps
+    every token as it comes), "staged" (it holds the prompt compactly until the last chunk, then treats the prompt
+    as if read whole), or None: it decides what to keep from its first forward, so a chunk would be taken for the
+    whole prompt, and it refuses chunks."""
 
     method = "base"
+    chunked_prefill: str | None = None
 
     def __init__(self, layers: list[ReportingLayer], model, shape: KVShape, max_length: int,
                  budget_bytes: int | None):
@@ -96,6 +103,7 @@ class ReportingCache(Cache):
         self.budget_bytes = budget_bytes
         self.events: list = []
         self.step = -1
+        self.staging = False  # the next forwards are chunks of the prompt before its last (set by prefill.py)
         self.peak_bytes = 0
         self.own_seconds = 0.0  # time spent in this cache's own work inside shared forwards (shared_prefill)
         self.device_type = next(model.parameters()).device.type
@@ -105,7 +113,7 @@ class ReportingCache(Cache):
     # -- transformers Cache API -------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
-            self.step += 1
+            self.step += not self.staging
             self.begin_forward(key_states.shape[-2])
         # The attention function finds the layer through its module: the cache attaches itself while in use.
         self._attention_modules[layer_idx].qevict_layer = self.layers[layer_idx]
@@ -115,6 +123,16 @@ class ReportingCache(Cache):
 
     def begin_forward(self, num_tokens: int) -> None:
         """Hook for caches that keep a schedule (all layers see the same step)."""
+
+    def read_prompt_chunk(self, more_to_come: bool) -> None:
+        """The next forward is a chunk of the prompt; ``more_to_come``: it is not the last one."""
+        if self.chunked_prefill is None:
+            raise ValueError(f"{self.method} cannot read a prompt in chunks: it decides what to keep from the first "
+                             "forward it sees. Chunked prefill works with fullkv and the QEvict family except "
+                             "qevict_head / qevict_head_own; read the prompt whole (prefill_chunk=None) otherwise.")
+        if self.step >= 0:
+            raise ValueError("the prompt was already read: chunks go before the first generated token")
+        self.staging = more_to_come
 
     # -- reports ----------------------------------------------------------------------------------------------
     def note_bytes(self, layer_idx: int) -> None:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--bits", type=int, default=DEFAULTS.bits, help=f"one of {BITS}")
     gen.add_argument("--scorer", default=DEFAULTS.scorer, help=f"one of {SCORERS}")
     gen.add_argument("--no-promotion", action="store_true", help="one-way Full -> Quantized -> Evicted")
+    gen.add_argument("--prefill-chunk", type=int, default=None,
+                     help="read the prompt in chunks of this many tokens (bounds prefill memory; fullkv and the "
+                          "QEvict family except qevict_head)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
@@ -70,7 +73,8 @@ def run_generate(args) -> dict:
     input_ids = encode_prompt(tokenizer, text, args.raw)
     cache = make_cache(args.method, model, config, max_length=input_ids.shape[1] + args.max_new_tokens)
     done = None
-    for event in generate_lanes(model, tokenizer, input_ids, [Lane(args.method, cache)], sampling):
+    for event in generate_lanes(model, tokenizer, input_ids, [Lane(args.method, cache)], sampling,
+                                prefill_chunk=args.prefill_chunk):
         if isinstance(event, TokenEvent) and not args.json:
             print(event.text, end="", flush=True)
         elif isinstance(event, DoneEvent):

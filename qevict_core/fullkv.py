@@ -30,6 +30,7 @@ class FullKVLayer(ReportingLayer):
 
 class FullKVCache(ReportingCache):
     method = "fullkv"
+    chunked_prefill = "exact"
 
     def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
         use_qevict_attention(model)

@@ -17,6 +17,7 @@ import torch
 
 from .cache_base import ReportingCache
 from .events import DoneEvent, MemoryEvent, TokenEvent
+from .prefill import check_chunk, prefill
 from .shared_prefill import forward_lanes
 
 
@@ -69,12 +70,16 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
-                   should_stop: Callable[[], bool] | None = None, together: bool = True) -> Iterator:
+                   should_stop: Callable[[], bool] | None = None, together: bool = True,
+                   prefill_chunk: int | None = None) -> Iterator:
     """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches.
 
     With ``together`` the lanes share each forward (``shared_prefill.forward_lanes``): one prefill for all, then
     one batched forward per step in which row i attends only to lane i's cache. Each lane reports that forward's
     time, so per-lane speeds are those of the shared forward; speed benchmarks run lanes alone.
+
+    ``prefill_chunk``: read the prompt in chunks of that many tokens (prefill.py), each lane alone: a staged
+    cache's chunks attend to its own staged prompt, which no other lane's forward could stand in for.
     """
     stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
     device = next(model.parameters()).device
@@ -86,6 +91,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                              f"= {needed}")
         if sampling.temperature > 0:
             lane.generator = torch.Generator().manual_seed(sampling.seed)
+        check_chunk(lane.cache, prefill_chunk)
 
     for step in range(sampling.max_new_tokens):
         active = [lane for lane in lanes if not lane.done]
@@ -93,12 +99,16 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
             for lane in active:
                 lane.done = "stopped"
             break
-        for group in [active] if together else [[lane] for lane in active]:
+        separate = not together or (step == 0 and prefill_chunk is not None)
+        for group in [[lane] for lane in active] if separate else [active]:
             feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]] for lane in group], device=device)
             try:
                 owns = [lane.cache.own_seconds for lane in group]
                 started = time.perf_counter()
-                logits = forward_lanes(model, feed, [lane.cache for lane in group])
+                if step == 0 and prefill_chunk is not None:
+                    logits = prefill(model, feed, group[0].cache, prefill_chunk)
+                else:
+                    logits = forward_lanes(model, feed, [lane.cache for lane in group])
                 seconds = time.perf_counter() - started
                 owns = [lane.cache.own_seconds - before for lane, before in zip(group, owns)]
             except Exception as err:  # end the lanes of this forward, keep what they generated

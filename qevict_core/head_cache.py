@@ -176,6 +176,7 @@ class HeadwiseQEvictCache(QEvictCache):
     """QEvict with per-KV-head routing and an adaptive split of each layer's capacities (module docstring)."""
 
     method = "qevict_head"
+    chunked_prefill = None  # its heads would each need a stage; not built (prefill.py)
 
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1, floor: float = FLOOR,
                  shared: float = SHARED):

@@ -155,19 +155,22 @@ def test_diagnostics_smoke(tmp_path):
 
 
 def test_speed_smoke(tmp_path):
-    speed.main(["--model", "tiny", "--methods", "fullkv,qevict,qevict@torch", "--contexts", "512",
+    speed.main(["--model", "tiny", "--methods", "fullkv,qevict,qevict@torch,qevict/128", "--contexts", "512",
                 "--new-tokens", "12", "--repeats", "1", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("*.jsonl")
     rows = {r["method"]: r for r in read_jsonl([path])}
     assert rows["fullkv"]["tpot_vs_fullkv"] == 1.0
     assert rows["qevict"]["kv_bytes"] < rows["fullkv"]["kv_bytes"] and rows["qevict"]["ttft"] > 0
     assert rows["qevict@torch"]["kv_bytes"] == rows["qevict"]["kv_bytes"]  # the path changes time, not bytes
+    assert rows["qevict/128"]["kv_bytes"] == rows["qevict"]["kv_bytes"]  # so does reading the prompt in chunks
     table = next(tmp_path.glob("*.md")).read_text()
     assert "| 512 | qevict |" in table and "| 512 | qevict@torch |" in table
     # 11 decode steps at Ω = 8 include one routing event: its overhead is measured and reported
     assert "routing_share" in rows["qevict"] and "routing_share" not in rows["fullkv"]
     with pytest.raises(ValueError, match="kernels must be one of"):
         speed.main(["--model", "tiny", "--methods", "qevict@gpu", "--contexts", "512", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="whole number of tokens"):
+        speed.main(["--model", "tiny", "--methods", "qevict/0", "--contexts", "512", "--out", str(tmp_path)])
 
 
 def test_peak_rss_sees_a_buffer_freed_before_the_end():

@@ -75,6 +75,28 @@ def test_cli_reports_bad_budget_readably(tmp_path):
     assert "cannot hold the protected regions" in done.stderr
 
 
+def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
+    """The INT8 stage (staging.py) on the real model: the same full tier in nearly every layer, the same tokens."""
+    from qevict_core.prefill import prefill
+
+    model, tok = smollm2
+    prompt = passage_prompt(tok, 600)
+
+    def run(chunk):
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2), max_length=prompt.shape[1] + 8)
+        logits, tokens = prefill(model, prompt, cache, chunk), []
+        with torch.inference_mode():
+            for _ in range(8):
+                tokens.append(logits.argmax(-1, keepdim=True))
+                logits = model(tokens[-1], cache=cache, logits_to_keep=1).logits[:, -1]
+        return cache, torch.cat(tokens, dim=1)
+
+    (whole, ref), (chunked, got) = run(None), run(128)
+    assert torch.equal(got, ref)
+    same_full = sum(torch.equal(a.full_ids, b.full_ids) for a, b in zip(whole.layers, chunked.layers))
+    assert same_full >= 27, f"{same_full} of 30 layers kept the same full tier"
+
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 

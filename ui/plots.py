@@ -18,7 +18,7 @@ TIER_NAMES = ["not yet", "recent", "full precision", "low-bit", "evicted"]
 # Memory components grouped for the stacked bytes plot: what a reader can tell apart.
 BYTE_GROUPS = {
     "full precision": ("sink", "recent", "full", "outliers"),
-    "low-bit codes": ("quantized",),
+    "low-bit codes": ("quantized", "staged"),
     "low-bit scales": ("quant_meta",),
     "bookkeeping": ("index", "ledger", "scores"),
 }
