@@ -2,6 +2,7 @@
 
     python -m bench.fidelity --methods fullkv,streamingllm,snapkv,h2o,adakv,defensivekv,kivi2,qevict \\
         --budgets 0.05,0.1,0.2 --prefill 2048 --steps 256 --passages 5 --out bench/results/fidelity
+    python -m bench.fidelity --methods qevict,qevict/256 ...   # the prompt read in chunks of 256 (prefill.py)
 
 Each passage of a natural text (Austen, ``--spacing`` sentences apart) is prefilled, then its next ``steps`` tokens
 are fed one at a time through every cache. At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
@@ -19,6 +20,8 @@ import torch
 from tqdm import tqdm
 
 from qevict_core import QEvictConfig, make_cache
+from qevict_core.prefill import check_chunk
+from qevict_core.prefill import prefill as read_prompt
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
@@ -43,13 +46,30 @@ def passage_tokens(tokenizer, count: int, offsets: list[int], tiny: bool) -> dic
     return {o: text_tokens(tokenizer, count, o) for o in offsets}
 
 
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``method[/N]`` -> (method, prefill chunk or None)."""
+    name, slash, chunk = spec.partition("/")
+    if slash and not (chunk.isdigit() and int(chunk) >= 1):
+        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
+    return name, int(chunk) if slash else None
+
+
 def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]],
             curves: bool = False) -> list[dict]:
-    """One row per lane; ``curves`` adds each step's KL and top-1 agreement (``kl_steps``, ``top1_steps``)."""
+    """One row per lane; ``curves`` adds each step's KL and top-1 agreement (``kl_steps``, ``top1_steps``).
+    A lane named ``method/N`` reads the prompt alone in chunks of N tokens (``qevict_core.prefill``); the others
+    share one prefill with the FullKV reference."""
     steps = tokens.shape[1] - prefill
-    caches = [make_cache(m, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1]) for m, b in lanes]
+    specs = [parse_spec(m) for m, _ in lanes]
+    caches = [make_cache(name, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1])
+              for (name, _), (_, b) in zip(specs, lanes)]
+    for cache, (_, chunk) in zip(caches, specs):
+        check_chunk(cache, chunk)
     everyone = [make_cache("fullkv", model, None, max_length=tokens.shape[1])] + caches  # row 0: the reference
-    forward_lanes(model, tokens[:, :prefill], everyone)
+    forward_lanes(model, tokens[:, :prefill], everyone[:1] + [c for c, (_, k) in zip(caches, specs) if k is None])
+    for cache, (_, chunk) in zip(caches, specs):
+        if chunk is not None:
+            read_prompt(model, tokens[:, :prefill], cache, chunk)
     kl, top1, nll = torch.zeros(len(everyone)), torch.zeros(len(everyone)), torch.zeros(len(everyone))
     kl_steps, top1_steps = [], []
     for t in tqdm(range(prefill, tokens.shape[1]), desc="fidelity", unit="step", leave=False):
@@ -93,7 +113,9 @@ def main(argv=None) -> None:
     add_model_args(parser)
     args = parser.parse_args(argv)
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
-    lanes = method_lanes([m.strip() for m in args.methods.split(",")], [float(b) for b in args.budgets.split(",")])
+    budgets = [float(b) for b in args.budgets.split(",")]
+    lanes = [(spec, b) for spec in (m.strip() for m in args.methods.split(","))
+             for _, b in method_lanes([parse_spec(spec)[0]], budgets)]
     out = Path(args.out)
     path = out / "fidelity.jsonl"
     # Resumable: a passage (by its offset) already in the file is not run again.

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from bench import diagnostics, drift, fidelity, ruler, speed
 from bench.common import parse_shard, read_jsonl
@@ -103,6 +104,19 @@ def test_fidelity_smoke(tmp_path):
     qevict = [r["kl"] for r in rows if r["method"] == "qevict"]
     row = next(line for line in (tmp_path / "fidelity_table.md").read_text().splitlines() if "qevict @30%" in line)
     assert f"{sum(qevict) / 2:.4f} ± " in row and " | 2 | " in row  # the mean over 2 passages and its interval
+
+
+def test_fidelity_of_a_prompt_read_in_chunks():
+    from qevict_core.testing import tiny_model
+
+    model = tiny_model("llama", 2)
+    tokens = torch.randint(0, 256, (1, 412), generator=torch.Generator().manual_seed(3))
+    lanes = [("fullkv/96", None), ("qevict", 0.3), ("qevict/96", 0.3)]
+    rows = {r["method"]: r for r in fidelity.measure(model, tokens, 400, lanes)}
+    assert rows["fullkv/96"]["kl"] == pytest.approx(0, abs=1e-6)  # FullKV reads chunks exactly
+    assert rows["qevict/96"]["kl"] == pytest.approx(rows["qevict"]["kl"], rel=0.05) and rows["qevict"]["kl"] > 0
+    with pytest.raises(ValueError, match="cannot read a prompt in chunks"):
+        fidelity.measure(model, tokens, 400, [("snapkv/96", 0.3)])
 
 
 def test_t_interval_follows_its_definition():
