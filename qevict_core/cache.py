@@ -6,11 +6,12 @@ region stay in full precision; windows leaving the recent region become candidat
 windows - are ranked by score: the top K_f are kept in full precision, the next K_q in the low-bit tier and the
 rest evicted. Quantized windows take part in attention, so they keep accumulating score and can be promoted.
 
-State of one layer, all in the (B, H, T, D) layout, sized to what is live (nothing is preallocated):
+State of one layer, all in the (B, H, T, D) layout, sized to what is live (only the stage is preallocated):
   sink_k/v (B,H,s,D) | full_k/v (B,H,nF*Ω,D) + full_ids (B,nF) | recent_k/v (B,H,nR,D) from ``recent_start``
   quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
   scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
   queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
+  stage: while a prompt is read in chunks, the part read so far as INT8 blocks (staging.py); None otherwise.
 ``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
 from that tensor, so promotion costs a gather, not another dequantization.
 """

@@ -129,7 +129,8 @@ class ReportingCache(Cache):
         if self.chunked_prefill is None:
             raise ValueError(f"{self.method} cannot read a prompt in chunks: it decides what to keep from the first "
                              "forward it sees. Chunked prefill works with fullkv and the QEvict family except "
-                             "qevict_head / qevict_head_own; read the prompt whole (prefill_chunk=None) otherwise.")
+                             "qevict_head / qevict_head_own, without padded=True; read the prompt whole "
+                             "(prefill_chunk=None) otherwise.")
         if self.step >= 0:
             raise ValueError("the prompt was already read: chunks go before the first generated token")
         self.staging = more_to_come

@@ -49,17 +49,20 @@ class WindowLedger:
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, omega: int, bits: int, dtype: torch.dtype,
-              device: torch.device | str, num_windows: int = 0) -> WindowLedger:
+              device: torch.device | str, num_windows: int = 0, zeroed: bool = True) -> WindowLedger:
+        """Room for ``num_windows`` windows; ``zeroed=False`` leaves it unwritten (storage to be filled later, whose
+        pages take no memory until written)."""
         packed = head_dim // codes_per_byte(bits)
+        new = torch.zeros if zeroed else torch.empty
         tokens = num_windows * omega
         return cls(
-            ids=torch.zeros(batch, num_windows, dtype=torch.int32, device=device),
-            k_codes=torch.zeros(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
-            v_codes=torch.zeros(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
-            k_scale=torch.zeros(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
-            k_zero=torch.zeros(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
-            v_scale=torch.zeros(batch, heads, tokens, 1, dtype=dtype, device=device),
-            v_zero=torch.zeros(batch, heads, tokens, 1, dtype=dtype, device=device),
+            ids=new(batch, num_windows, dtype=torch.int32, device=device),
+            k_codes=new(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
+            v_codes=new(batch, heads, tokens, packed, dtype=torch.uint8, device=device),
+            k_scale=new(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
+            k_zero=new(batch, heads, num_windows, head_dim, dtype=dtype, device=device),
+            v_scale=new(batch, heads, tokens, 1, dtype=dtype, device=device),
+            v_zero=new(batch, heads, tokens, 1, dtype=dtype, device=device),
             omega=omega,
             bits=bits,
         )

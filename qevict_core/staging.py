@@ -33,7 +33,7 @@ BLOCK = 64  # tokens per block of key statistics: 8 bytes of scale and zero per 
 class PromptStage:
     """The INT8 blocks of one layer's prompt, from position ``sinks`` on, in order.
 
-    Storage for ``capacity`` tokens is taken once and filled block by block (untouched pages cost no memory), and
+    Storage for ``capacity`` tokens is taken once and filled block by block (pages not yet written take no memory), and
     every transient copy is asked for at the same size: a prompt read in chunks otherwise makes requests that grow
     chunk by chunk, and glibc keeps the holes they leave (measured: the process's peak grew with every chunk)."""
 
@@ -41,7 +41,7 @@ class PromptStage:
         b, h, _, d = like.shape
         self.sinks, self.capacity, self.count = sinks, capacity, 0
         self.store = WindowLedger.empty(b, h, d, BLOCK, BITS, like.dtype, like.device,
-                                        num_windows=max(0, capacity - sinks) // BLOCK)
+                                        num_windows=max(0, capacity - sinks) // BLOCK, zeroed=False)
 
     @property
     def num_tokens(self) -> int:
