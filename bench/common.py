@@ -14,6 +14,14 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
+def split_chunk(spec: str) -> tuple[str, int | None]:
+    """A lane spec ``method[/N]`` -> (method, N: read the prompt in chunks of N tokens, or None: whole)."""
+    name, slash, chunk = spec.partition("/")
+    if slash and not (chunk.isdigit() and int(chunk) >= 1):
+        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
+    return name, int(chunk) if slash else None
+
+
 def setup(model_name: str | None, device: str | None, threads: int | None, dtype: str | None = None):
     """Pin threads (shared machines are noisy: say how many), load the model; -> (model, tokenizer, meta).
 

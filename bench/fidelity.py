@@ -25,7 +25,7 @@ from qevict_core.prefill import prefill as read_prompt
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
-from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup
+from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup, split_chunk
 from .ruler_tasks import essay_sentences
 
 
@@ -46,21 +46,13 @@ def passage_tokens(tokenizer, count: int, offsets: list[int], tiny: bool) -> dic
     return {o: text_tokens(tokenizer, count, o) for o in offsets}
 
 
-def parse_spec(spec: str) -> tuple[str, int | None]:
-    """``method[/N]`` -> (method, prefill chunk or None)."""
-    name, slash, chunk = spec.partition("/")
-    if slash and not (chunk.isdigit() and int(chunk) >= 1):
-        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
-    return name, int(chunk) if slash else None
-
-
 def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]],
             curves: bool = False) -> list[dict]:
     """One row per lane; ``curves`` adds each step's KL and top-1 agreement (``kl_steps``, ``top1_steps``).
     A lane named ``method/N`` reads the prompt alone in chunks of N tokens (``qevict_core.prefill``); the others
     share one prefill with the FullKV reference."""
     steps = tokens.shape[1] - prefill
-    specs = [parse_spec(m) for m, _ in lanes]
+    specs = [split_chunk(m) for m, _ in lanes]
     caches = [make_cache(name, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1])
               for (name, _), (_, b) in zip(specs, lanes)]
     for cache, (_, chunk) in zip(caches, specs):
@@ -115,7 +107,7 @@ def main(argv=None) -> None:
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     budgets = [float(b) for b in args.budgets.split(",")]
     lanes = [(spec, b) for spec in (m.strip() for m in args.methods.split(","))
-             for _, b in method_lanes([parse_spec(spec)[0]], budgets)]
+             for _, b in method_lanes([split_chunk(spec)[0]], budgets)]
     out = Path(args.out)
     path = out / "fidelity.jsonl"
     # Resumable: a passage (by its offset) already in the file is not run again.

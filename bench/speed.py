@@ -46,7 +46,7 @@ from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
 from qevict_core.fast_path import kernel_path
 from qevict_core.prefill import prefill
 
-from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup
+from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup, split_chunk
 
 RANDOM_MODELS = {  # shapes of public 7-8B models, random weights: no download needed
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -131,11 +131,9 @@ def sync(device: torch.device) -> None:
 
 def parse_spec(spec: str) -> tuple[str, str, int | None]:
     """``name[@path][/chunk]`` -> (name, path, prefill chunk or None)."""
-    rest, slash, chunk = spec.partition("/")
+    rest, chunk = split_chunk(spec)
     name, _, kernels = rest.partition("@")
-    if slash and not (chunk.isdigit() and int(chunk) >= 1):
-        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
-    return name, kernels or "auto", int(chunk) if slash else None
+    return name, kernels or "auto", chunk
 
 
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:

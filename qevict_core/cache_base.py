@@ -124,13 +124,17 @@ class ReportingCache(Cache):
     def begin_forward(self, num_tokens: int) -> None:
         """Hook for caches that keep a schedule (all layers see the same step)."""
 
-    def read_prompt_chunk(self, more_to_come: bool) -> None:
-        """The next forward is a chunk of the prompt; ``more_to_come``: it is not the last one."""
+    def require_chunked_prefill(self) -> None:
+        """ValueError, saying which methods can, unless this cache reads a prompt in chunks."""
         if self.chunked_prefill is None:
             raise ValueError(f"{self.method} cannot read a prompt in chunks: it decides what to keep from the first "
                              "forward it sees. Chunked prefill works with fullkv and the QEvict family except "
                              "qevict_head / qevict_head_own, without padded=True; read the prompt whole "
                              "(prefill_chunk=None) otherwise.")
+
+    def read_prompt_chunk(self, more_to_come: bool) -> None:
+        """The next forward is a chunk of the prompt; ``more_to_come``: it is not the last one."""
+        self.require_chunked_prefill()
         if self.step >= 0:
             raise ValueError("the prompt was already read: chunks go before the first generated token")
         self.staging = more_to_come

@@ -25,8 +25,7 @@ def chunk_sizes(length: int, chunk: int | None) -> list[int]:
 def check_chunk(cache: ReportingCache, chunk: int | None) -> None:
     if chunk is None:
         return
-    if cache.chunked_prefill is None:
-        cache.read_prompt_chunk(more_to_come=False)  # raises, saying which methods can
+    cache.require_chunked_prefill()
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"prefill_chunk must be a whole number of tokens >= 1, or None to read the prompt whole "
                          f"(got {chunk!r})")
