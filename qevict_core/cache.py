@@ -428,9 +428,11 @@ class QEvictCache(ReportingCache):
     def count_moves(self, decision, n_quant: int, n_full: int) -> None:
         """Promotions (Q->F), demotions (F->Q) and evictions, summed over layers and batch rows."""
         evicted = decision.num_candidates * decision.full.shape[0] - decision.full.numel() - decision.quant.numel()
-        moves = torch.stack([(decision.full < n_quant).sum(),
-                             ((decision.quant >= n_quant) & (decision.quant < n_quant + n_full)).sum(),
-                             torch.tensor(evicted, device=decision.full.device)])
+        self.add_moves((decision.full < n_quant).sum(),
+                       ((decision.quant >= n_quant) & (decision.quant < n_quant + n_full)).sum(), evicted)
+
+    def add_moves(self, promotions: torch.Tensor, demotions: torch.Tensor, evictions: int) -> None:
+        moves = torch.stack([promotions, demotions, torch.tensor(evictions, device=promotions.device)])
         # Kept on the device: a host sync per layer and event would stall GPU decoding.
         self._moves = moves if self._moves is None else self._moves + moves
 

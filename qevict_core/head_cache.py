@@ -32,10 +32,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .budget import KVShape
 from .cache import QEvictCache, QEvictLayer
-from . import head_step
+from . import head_move, head_step
 from .cache_base import ReportingLayer
 from .config import QEvictConfig
 
@@ -111,20 +112,25 @@ class HeadwiseLayer(ReportingLayer):
                 head.interval = self.interval[h:h + 1]
 
     def attend(self, module, query, key, value, scaling, dropout):
-        if self._parts is None:
-            out, keys, values, lens = head_step.attend(self, query, scaling)
-            parts = ([(keys[h, :n][None, None], values[h, :n][None, None]) for h, n in enumerate(lens)]
-                     if self.owner.routed() else [])  # (1, 1, n_h, D) views: what each head's move reads
+        one_pass = self._parts is None
+        if one_pass:
+            out, keys, values = head_step.attend(self, query, scaling)
         else:
             out, parts = self._attend_per_head(module, query, scaling, dropout)
         self._parts = []
         if self.owner.routed():
             for head in self.heads:
                 head.settle()
-            self.owner.blend(self.heads)
-            moves = self.owner.allot(self.heads)
-            for h in moves:
-                self.heads[h].move(*parts[h])
+            self.owner.blend(self.heads, self.scores)
+            cands = [head.candidates()[0] for head in self.heads]  # batch row 0: batch size is 1
+            rank = pad_sequence([head.candidate_ranks(c.unsqueeze(0))[0] for head, c in zip(self.heads, cands)],
+                                batch_first=True, padding_value=float("-inf"))  # (H, C)
+            order, ranked = self.owner.allot(self.heads, rank)
+            if one_pass:
+                head_move.move_heads(self, keys, values, cands, rank, ranked)
+            else:
+                for h in order:
+                    self.heads[h].move(*parts[h])
             for head in self.heads:
                 head.rank_table = None
         if self.layer_idx == len(self.owner.layers) - 1:
@@ -153,23 +159,20 @@ class HeadwiseLayer(ReportingLayer):
         return {name: round(sum(c[name] for c in counts) / len(counts)) for name in counts[0]}
 
 
-def split_capacity(ranks: list[torch.Tensor], total: int, floor: int) -> list[int]:
-    """ranks[h]: (C_h,) ranks of head h's candidates, best first. -> slots per head, summing to at most ``total``:
-    each head first gets min(floor, C_h), then one top-k across heads of the rest takes what is left."""
-    heads = len(ranks)
-    counts = [min(floor, r.numel()) for r in ranks]
-    width = max(r.numel() - c for r, c in zip(ranks, counts))
-    left = min(total - sum(counts), sum(r.numel() for r in ranks) - sum(counts))
-    if left <= 0 or width == 0:
-        return counts
-    pool = ranks[0].new_full((width, heads), float("-inf"))  # (slot, head): slot-major ties
-    for h, (r, c) in enumerate(zip(ranks, counts)):
-        pool[:r.numel() - c, h] = r[c:]
-    flat = pool.flatten()
-    chosen = flat.sort(descending=True, stable=True).indices[:left]
-    chosen = chosen[flat[chosen] > float("-inf")]  # padding never counts (only reachable with -inf ranks)
-    extra = torch.bincount(chosen % heads, minlength=heads).tolist()
-    return [c + e for c, e in zip(counts, extra)]
+def split_capacity(ranks: torch.Tensor, total: int, floor: int) -> list[int]:
+    """ranks (H, C): row h holds head h's candidates' ranks best first, then -inf padding. -> slots per head,
+    summing to at most ``total``: each head first gets min(floor, its candidates), then one top-k across heads
+    of the rest takes what is left."""
+    heads = ranks.shape[0]
+    available = (ranks > float("-inf")).sum(dim=1)
+    counts = available.clamp(max=floor)
+    left = min(total, int(available.sum())) - int(counts.sum())
+    if left <= 0 or ranks.shape[1] <= floor:
+        return counts.tolist()
+    pool = ranks[:, floor:].T.flatten()  # (slot, head): slot-major ties; what each head's floor did not take
+    chosen = pool.sort(descending=True, stable=True).indices[:left]
+    chosen = chosen[pool[chosen] > float("-inf")]  # padding never counts
+    return (counts + torch.bincount(chosen % heads, minlength=heads)).tolist()
 
 
 class HeadwiseQEvictCache(QEvictCache):
@@ -198,38 +201,39 @@ class HeadwiseQEvictCache(QEvictCache):
     def make_layer(self, layer_idx: int, shape: KVShape) -> ReportingLayer:
         return HeadwiseLayer(layer_idx, self, shape.num_kv_heads)
 
-    def blend(self, heads: list[HeadLayer]) -> None:
+    def blend(self, heads: list[HeadLayer], table: torch.Tensor) -> None:
         """Each head ranks by (1 - β) x its own ranking + β x the mean ranking of the layer's heads (β = ``shared``):
         the windows a head's own query group favours, without dropping what the layer as a whole attends to. β = 1
         ranks every head alike, which makes exactly QEvict's per-layer decisions."""
         if not self.shared:
             return
-        own = [self.scorer.ranking(head.scores) for head in heads]
-        mean = torch.stack(own).mean(dim=0)
-        for head, table in zip(heads, own):
-            head.rank_table = table * (1 - self.shared) + mean * self.shared
+        own = self.scorer.ranking(table)  # (H, W): the layer's stacked table, a head per row
+        blended = own * (1 - self.shared) + own.mean(dim=0, keepdim=True) * self.shared
+        for h, head in enumerate(heads):
+            head.rank_table = blended[h:h + 1]
 
-    def allot(self, heads: list[HeadLayer]) -> list[int]:
-        """Split the layer's H·K_f and H·K_q over its (settled) heads; -> the order in which heads must move:
-        those whose windows shrink in bytes first."""
+    def allot(self, heads: list[HeadLayer], rank: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Split the layer's H·K_f and H·K_q over its (settled) heads; ``rank`` (H, C): each head's candidates'
+        ranks, padded with -inf. -> the order in which heads moving one by one must move (those whose windows shrink
+        in bytes first), and the stable descending sort (H, C) of the ranks eligible for the full tier."""
         plan, promotion = self.plan, self.config.promotion
-        full_ranks, rest_ranks = [], []
-        for head in heads:
-            ranks = head.candidate_ranks(head.candidates())[0]  # batch row 0: batch size is 1
-            n_quant = head.quant.num_windows
-            eligible = ranks if promotion else ranks[n_quant:]
-            full_ranks.append(eligible.sort(descending=True).values)
-            rest_ranks.append(ranks[:n_quant] if not promotion else ranks[:0])
-        k_full = split_capacity(full_ranks, len(heads) * plan.k_full, int(self.floor * plan.k_full))
-        rest = [torch.cat([r, f[k:]]).sort(descending=True).values
-                for r, f, k in zip(rest_ranks, full_ranks, k_full)]
+        in_quant = torch.arange(rank.shape[1]) < torch.tensor([head.quant.num_windows for head in heads]).unsqueeze(1)
+        eligible = (rank if promotion else rank.masked_fill(in_quant, float("-inf"))).sort(
+            dim=1, descending=True, stable=True)
+        k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.floor * plan.k_full))
+        # What each head's full tier leaves (its best k_full eligible ranks taken out) competes for INT2 slots.
+        rest = eligible.values.masked_fill(torch.arange(rank.shape[1]) < torch.tensor(k_full).unsqueeze(1),
+                                           float("-inf"))
+        if not promotion:
+            rest = torch.cat([rest, rank.masked_fill(~in_quant, float("-inf"))], dim=1)
+        rest = rest.sort(dim=1, descending=True).values
         k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.floor * plan.k_quant))
         growth = []
         for h, head in enumerate(heads):
             growth.append((k_full[h] - head.full_ids.shape[1]) * plan.full_window_bytes
                           + (k_quant[h] - head.quant.num_windows) * plan.quant_window_bytes)
             head.allotted = (k_full[h], k_quant[h])
-        return sorted(range(len(heads)), key=lambda h: growth[h])
+        return sorted(range(len(heads)), key=lambda h: growth[h]), eligible.indices
 
     def summary(self) -> dict:
         out = super().summary()

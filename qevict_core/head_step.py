@@ -19,7 +19,7 @@ from kernels import cpu_decode
 def attend(layer, query: torch.Tensor, scaling: float):
     """query (1, Hq, 1, D) of a decode step of ``layer`` (a HeadwiseLayer whose heads hold this step's token).
     -> out (1, 1, Hq, D) in the query dtype; keys, values (H, F, D), head h's [sinks | full | recent] in its first
-    lens[h] rows (the workspace routing reads); lens."""
+    rows (the workspace that routing reads, head_move.py)."""
     heads, owner = layer.heads, layer.owner
     omega, sinks = owner.config.omega, heads[0].sink_k.shape[2]
     h, g, d = len(heads), query.shape[1] // len(heads), query.shape[-1]
@@ -49,7 +49,7 @@ def attend(layer, query: torch.Tensor, scaling: float):
     owner.note_workspace(keys.nbytes + values.nbytes + logits.nbytes + probs.nbytes)
     if owner.scorer.needs_attention:
         fold(layer, probs.sum(dim=1), n_quant, sinks, g)
-    return out.reshape(1, 1, h * g, d).to(query.dtype), keys, values, lens
+    return out.reshape(1, 1, h * g, d).to(query.dtype), keys, values
 
 
 def fold(layer, mass: torch.Tensor, n_quant: int, sinks: int, q_heads: int) -> None:

@@ -120,6 +120,15 @@ class WindowLedger:
         joined.update({name: torch.cat([getattr(part, name) for part in parts], dim=2) for name in _SEQ_FIELDS})
         return WindowLedger(**joined, omega=self.omega, bits=self.bits)
 
+    def split(self, counts: list[int]) -> list[WindowLedger]:
+        """Consecutive runs of ``counts`` windows, as views (no copy): one ledger per run."""
+        tokens = [n * self.omega for n in counts]
+        fields = {"ids": self.ids.split(counts, dim=1)}
+        fields.update({name: getattr(self, name).split(counts if name in _PER_WINDOW else tokens, dim=2)
+                       for name in _SEQ_FIELDS})
+        return [WindowLedger(**{name: parts[i] for name, parts in fields.items()}, omega=self.omega, bits=self.bits)
+                for i in range(len(counts))]
+
     def _by_window(self, name: str) -> torch.Tensor:
         """A field as one row per window, (B, H, n, Ω·X) for per-token fields: moving whole windows indexes n rows
         instead of n·Ω tokens (8x fewer indices; index_select's cost is per index on the CPU)."""

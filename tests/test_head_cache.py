@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.attention import qevict_attention
@@ -16,14 +17,15 @@ from tests.test_routing import OMEGA, RECENT, SINKS, keys_for, window_direction
 
 
 def test_split_gives_each_head_its_floor_then_one_top_k_across_heads():
-    ranks = [torch.tensor([9.0, 8.0, 7.0, 0.5]), torch.tensor([1.0, 0.9]), torch.tensor([6.0, 5.0, 0.1])]
+    ranks = pad_sequence([torch.tensor([9.0, 8.0, 7.0, 0.5]), torch.tensor([1.0, 0.9]), torch.tensor([6.0, 5.0, 0.1])],
+                         batch_first=True, padding_value=float("-inf"))  # (H, C): each head's ranks, best first
     # Floors of 1 (9, 1, 6), then the best 3 of the rest: 8, 7 (head 0) and 5 (head 2).
     assert split_capacity(ranks, total=6, floor=1) == [3, 1, 2]
     assert split_capacity(ranks, total=5, floor=0) == [3, 0, 2]  # 9 8 7 6 5: the weak head gets nothing
     assert split_capacity(ranks, total=6, floor=2) == [2, 2, 2]  # the floors take every slot
     assert split_capacity(ranks, total=20, floor=1) == [4, 2, 3]  # never more than a head's candidates
     # Equal ranks split evenly: the better slot of each head first, then the lower head.
-    same = [torch.tensor([3.0, 2.0, 1.0])] * 3
+    same = torch.tensor([[3.0, 2.0, 1.0]] * 3)
     assert split_capacity(same, total=6, floor=0) == [2, 2, 2]
     assert split_capacity(same, total=4, floor=0) == [2, 1, 1]
 
@@ -187,3 +189,60 @@ def test_one_pass_over_the_heads_on_smollm2_generates_head_by_heads_tokens(monke
     (ref_tokens, _, _), (tokens, _, _) = _per_head_and_one_pass(
         monkeypatch, model, passage_prompt(tok, 600), QEvictConfig(budget=0.2), 24)  # three routing events
     assert tokens.tolist() == ref_tokens.tolist()
+
+
+_STATE = ("full_k", "full_v", "full_ids", "quant", "dormant", "dormant_valid", "recent_k", "recent_v", "recent_start")
+
+
+@pytest.mark.parametrize("family,kv_heads,config", [
+    ("llama", 2, QEvictConfig(budget=0.2, record_events=True)),
+    ("qwen2", 4, QEvictConfig(budget=0.2, bits=4, scorer="pnorm")),
+    ("llama", 2, QEvictConfig(budget=0.15, scorer="decay", promotion=False)),  # no dormant ledger
+], ids=["gqa-int2", "mha-int4-pnorm", "nopromo-decay"])
+def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, family, kv_heads, config):
+    """At every routing event of a decode on the CPU kernel, the heads are first moved one by one, their new state
+    kept, the layer put back as it was, and then moved at once: the tiers must be equal bit for bit (dormant slots
+    flagged invalid hold no record, so only valid ones are compared), and so must the move counts and events."""
+    from qevict_core import head_move
+
+    move_heads, checked = head_move.move_heads, []
+
+    def both(layer, keys, values, cands, rank, ranked):
+        owner = layer.owner
+        lens = [head.sink_k.shape[2] + head.full_k.shape[2] + head.recent_k.shape[2] for head in layer.heads]
+        before = [{name: getattr(head, name) for name in _STATE} for head in layer.heads]
+        scores, moves, events = layer.scores.clone(), owner._moves, len(owner.events)
+        for h, (head, n) in enumerate(zip(layer.heads, lens)):
+            head.move(keys[h, :n][None, None], values[h, :n][None, None])
+        one_by_one = [{name: getattr(head, name) for name in _STATE} for head in layer.heads]
+        ref_scores, ref_moves, ref_events = layer.scores.clone(), owner._moves, owner.events[events:]
+        for head, state in zip(layer.heads, before):
+            head.__dict__.update(state)
+        layer.scores.copy_(scores)
+        owner._moves, owner.events = moves, owner.events[:events]
+        move_heads(layer, keys, values, cands, rank, ranked)
+        for head, ref in zip(layer.heads, one_by_one):
+            for name in ("full_k", "full_v", "full_ids", "dormant_valid", "recent_k", "recent_v", "recent_start"):
+                assert torch.equal(torch.as_tensor(getattr(head, name)), torch.as_tensor(ref[name])), name
+            assert _ledger(head.quant) == _ledger(ref["quant"])
+            if ref["dormant"] is not None:
+                kept = head.dormant_valid[0].nonzero()[:, 0].unsqueeze(0)
+                assert _ledger(head.dormant.select(kept)) == _ledger(ref["dormant"].select(kept))
+            else:
+                assert head.dormant is None
+        assert torch.equal(layer.scores, ref_scores) and torch.equal(owner._moves, ref_moves)
+        assert owner.events[events:] == ref_events
+        checked.append(int(ref_moves[0] - (moves[0] if moves is not None else 0)))
+
+    monkeypatch.setattr(head_move, "move_heads", both)
+    model = tiny_model(family, kv_heads)
+    cache = make_cache("qevict_head", model, config, max_length=560)
+    assert cache.kernels == "cpu"
+    model.generate(random_prompt(500), cache=cache, max_new_tokens=56, min_new_tokens=56, do_sample=False)
+    assert len(checked) == 6 * len(cache.layers)  # every routing event of the decode (seen 508, 516, ..., 548)
+    assert (sum(checked) > 0) == config.promotion  # promotions happened, and were compared
+
+
+def _ledger(ledger) -> list[list]:
+    return [getattr(ledger, name).flatten().tolist() for name in
+            ("ids", "k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")]

@@ -1,0 +1,141 @@
+"""One routing move for every KV head of a layer at once: ``qevict_head`` on the CPU kernel.
+
+A head's move (``QEvictLayer._route``) is a fixed few dozen small tensor operations whatever its tiers hold, so
+moving a layer's H heads one by one cost 2.1x QEvict's move of the whole layer (line profile in the commit that
+added this file). Here the heads move together, as rows of padded tensors: one stable sort per tier ranks every
+head's candidates (padding at -inf sorts last, so each row is the head's own decision), one index gathers every
+full-precision window from the step's padded workspace, one call quantizes every window that enters an INT2 tier
+without a record, and one join and one selection per tier build every head's ledger. Each head's new tiers are
+contiguous views of the layer's tensors, head after head: the varlen kernel reads them in place, and together they
+are exactly the layer's storage, so the byte count is unchanged.
+
+The decisions and the stored tiers are the head-by-head move's, bit for bit (same sorts, same per-window
+quantization; tests compare both), except the contents of dormant slots flagged invalid, which nothing reads.
+Every head moves at once, so the layer's old and new tiers coexist during the move, as in QEvict's own move;
+between the events the layer holds its H heads at their allotted K_f and K_q, within the budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .assemble import assemble
+from .layout import window_positions
+from .ledger import WindowLedger
+from .rope import unrotate
+
+
+def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torch.Tensor], rank: torch.Tensor,
+               ranked: torch.Tensor) -> None:
+    """keys, values (H, F, D): the padded workspace of ``head_step.attend``, head h's [sinks | full | recent] in its
+    first rows; cands[h] (C_h,): head h's candidates [quantized | full | aged]; rank (H, C): their ranks, padded
+    with -inf; ranked (H, C): ``allot``'s stable descending sort of the ranks eligible for the full tier, which set
+    every head's ``allotted`` (K_f, K_q)."""
+    heads, owner = layer.heads, layer.owner
+    sinks, omega, promotion = owner.config.sinks, owner.config.omega, owner.config.promotion
+    h, width, d = keys.shape
+    c = rank.shape[1]
+    nq = torch.tensor([head.quant.num_windows for head in heads]).unsqueeze(1)  # (H, 1)
+    nf = torch.tensor([head.full_ids.shape[1] for head in heads]).unsqueeze(1)
+    sizes = [x.numel() for x in cands]
+    num_aged = sizes[0] - int(nq[0]) - int(nf[0])  # the same windows leave every head's recent region
+    kf = [min(head.allotted[0], n if promotion else n - int(q)) for head, n, q in zip(heads, sizes, nq[:, 0])]
+    kq = [min(head.allotted[1], n - k) for head, n, k in zip(heads, sizes, kf)]
+
+    # Decisions, as route_windows takes them row by row: the full tier is the top K_f of the eligible ranks; with
+    # promotion the quantized tier is the next K_q of the same stable ranking, else the top K_q of what is left.
+    slot = torch.arange(c)
+    place = torch.empty_like(ranked).scatter_(1, ranked, slot.expand(h, c))  # each candidate's place in ranked
+    kf_t = torch.tensor(kf).unsqueeze(1)
+    full = place < kf_t
+    if promotion:
+        quant = (place >= kf_t) & (place < kf_t + torch.tensor(kq).unsqueeze(1))
+    else:
+        quant = _top(rank.masked_fill(full, torch.finfo(rank.dtype).min), kq)
+
+    # Every candidate's record in the layer's join [each head's quantized | each head's dormant | fresh] (-1: none),
+    # tier (0 quantized, 1 full, 2 aged) and, for a full or aged one, where it starts in the flat workspace.
+    row = torch.arange(h).unsqueeze(1)
+    record = torch.where(slot < nq, nq.cumsum(0) - nq + slot, -1)  # (H, C)
+    parts = [head.quant for head in heads]
+    n_records = int(nq.sum())
+    if heads[0].dormant is not None:
+        parts += [head.dormant for head in heads]
+        valid = torch.cat([head.dormant_valid[0] for head in heads])  # (ΣF,) aligned with the joined dormants
+        if valid.numel():
+            at = nf.cumsum(0) - nf + slot - nq  # the dormant slot of a full-tier candidate
+            has = (slot >= nq) & (slot < nq + nf) & valid[at.clamp(0, valid.numel() - 1)]
+            record = torch.where(has, n_records + at, record)
+        n_records += int(nf.sum())
+    tier = (slot >= nq).long() + (slot >= nq + nf).long()
+    start = row * width + sinks + (slot - nq) * omega
+    ids = pad_sequence(cands, batch_first=True)
+    by_id = ids.argsort(dim=1)  # each head's chosen windows in window-id order, as route_windows returns them
+    flat = by_id + row * c
+    attrs = torch.stack([record, tier, start, ids.long()]).view(4, h * c)
+    f_rec, f_tier, f_start, f_ids = attrs.index_select(1, flat[full.gather(1, by_id)])  # (ΣK_f,) each, head-major
+    q_rec, q_tier, q_start, q_ids = attrs.index_select(1, flat[quant.gather(1, by_id)])
+
+    # Windows entering an INT2 tier without a record are quantized now, from the workspace (never promoted ones).
+    ws_keys, ws_values = keys.view(1, 1, h * width, d), values.view(1, 1, h * width, d)  # (B, H, T, D), B = H = 1
+    need = q_rec < 0
+    n_fresh = int(need.sum())
+    if n_fresh:
+        tok = _tokens(q_start[need], omega)
+        fresh_ids = q_ids[need].unsqueeze(0)
+        positions = window_positions(fresh_ids, sinks, omega)
+        pre_rope = unrotate(ws_keys.index_select(2, tok), *owner.cos_sin(ws_keys, positions))
+        parts.append(WindowLedger.quantize(pre_rope, ws_values.index_select(2, tok), fresh_ids, omega,
+                                           owner.config.bits))
+        q_rec = q_rec.masked_scatter(need, n_records + torch.arange(n_fresh))
+    parts = [p for p in parts if p.num_windows]
+    joined = parts[0].cat(*parts[1:]) if parts else None
+
+    # Full tiers: promoted windows dequantized in front of the workspace, then one gather of every head's windows.
+    promoted = f_tier == 0
+    n_promoted = int(promoted.sum())
+    source_k, source_v = ws_keys, ws_values
+    if n_promoted:
+        windows = joined.select(f_rec[promoted].unsqueeze(0))
+        cos, sin = owner.rope_rows(ws_keys, window_positions(windows.ids, sinks, omega))
+        source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, sin)
+        owner.note_workspace(source_k.nbytes + source_v.nbytes)
+        f_start = torch.where(promoted, (promoted.cumsum(0) - 1) * omega, f_start + n_promoted * omega)
+    tok = _tokens(f_start, omega)
+    full_k, full_v = source_k.index_select(2, tok), source_v.index_select(2, tok)
+    if joined is None:
+        joined = WindowLedger.empty(1, 1, d, omega, owner.config.bits, keys.dtype, keys.device, 1)
+    quant_ledger = joined.select(q_rec.unsqueeze(0))
+
+    old = [(head.full_ids, head.quant.ids) for head in heads] if owner.config.record_events else None
+    tokens_f = [k * omega for k in kf]
+    for head, fk, fv, fi, ql in zip(heads, full_k.split(tokens_f, dim=2), full_v.split(tokens_f, dim=2),
+                                    f_ids.to(torch.int32).unsqueeze(0).split(kf, dim=1), quant_ledger.split(kq)):
+        head.full_k, head.full_v, head.full_ids, head.quant = fk, fv, fi, ql
+        # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
+        head.recent_k = head.recent_k[:, :, num_aged * omega:].clone()
+        head.recent_v = head.recent_v[:, :, num_aged * omega:].clone()
+        head.recent_start += num_aged * omega
+    if heads[0].dormant is not None:  # a promoted window's record stays as its dormant copy
+        dormant = joined.select(f_rec.clamp(min=0).unsqueeze(0))
+        for head, ledger, flags in zip(heads, dormant.split(kf), (f_rec >= 0).unsqueeze(0).split(kf, dim=1)):
+            head.dormant, head.dormant_valid = ledger, flags
+    owner.add_moves(promoted.sum(), (q_tier == 1).sum(), sum(sizes) - f_rec.numel() - q_rec.numel())
+    if old is not None:
+        aged = cands[0][len(cands[0]) - num_aged:].tolist()
+        owner.events.extend(head._event(o, aged) for head, o in zip(heads, old))
+    owner.scorer.carry(layer.scores)  # the stacked table: every head's row at once
+    owner.note_bytes(layer.layer_idx)
+
+
+def _top(rank: torch.Tensor, k: list[int]) -> torch.Tensor:
+    """rank (H, C) -> (H, C) bool: the first k[h] of row h in a stable descending sort."""
+    order = rank.sort(dim=1, descending=True, stable=True).indices
+    taken = torch.arange(rank.shape[1]) < torch.tensor(k).unsqueeze(1)
+    return torch.zeros_like(taken).scatter_(1, order, taken)
+
+
+def _tokens(starts: torch.Tensor, omega: int) -> torch.Tensor:
+    """(n,) window starts -> (n·Ω,) token indices, window-major."""
+    return (starts.unsqueeze(1) + torch.arange(omega)).flatten()
