@@ -17,8 +17,9 @@ best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = 0.2),
 best-ranked remaining windows of the whole layer, whichever head they belong to (one top-k across heads; on equal
 ranks the better slot within its head first, then the lower head, so identical heads get identical shares). The
 quantized split runs on what each head's full tier leaves. Every window of every head costs the same bytes, so the
-layer's bytes are those of H heads at K_f and K_q, within the budget; heads whose allocation shrinks move first, so
-the layer never holds more than before or after the event, even between two heads' moves.
+layer's bytes are those of H heads at K_f and K_q, within the budget. A decode step on the CPU kernel moves every head
+at once (head_move.py); elsewhere heads move one by one, those whose allocation shrinks first, so the layer never
+holds more than before or after the event, even between two heads' moves.
 
 Where this departs from AdaKV (FFY0/AdaKV, ``adaptive_snapkv``): AdaKV splits a token budget once, at the end of
 prefill, from SnapKV's pooled observation-window scores, as ``floor + (1 - α)·(share of one top-k over all heads)``.

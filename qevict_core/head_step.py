@@ -25,15 +25,17 @@ def attend(layer, query: torch.Tensor, scaling: float):
     h, g, d = len(heads), query.shape[1] // len(heads), query.shape[-1]
     lens = [sinks + head.full_k.shape[2] + head.recent_k.shape[2] for head in heads]
     width = sinks + -(-(max(lens) - sinks) // omega) * omega  # whole windows after the sinks, for the window sums
-    keys, values = query.new_zeros(h, 1, width, d), query.new_zeros(h, 1, width, d)  # (H, 1, F, D): a head per row
+    # (H, 1, F, D): a head per row. Padded keys may hold anything (their logits are masked), padded values must
+    # be finite: they meet probabilities of exactly 0.
+    keys, values = query.new_empty(h, 1, width, d), query.new_zeros(h, 1, width, d)
     for i, (head, n) in enumerate(zip(heads, lens)):
         torch.cat([head.sink_k, head.full_k, head.recent_k], dim=2, out=keys[i:i + 1, :, :n])
         torch.cat([head.sink_v, head.full_v, head.recent_v], dim=2, out=values[i:i + 1, :, :n])
     keys, values = keys.view(h, width, d), values.view(h, width, d)  # (H, F, D)
     rows = query.float().reshape(h, g, d)  # (H, G, D): KV head h's group of query heads, one query each
     logits = torch.bmm(rows, keys.transpose(1, 2)).mul_(scaling)  # (H, G, F)
-    padding = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)  # (H, F)
-    logits.masked_fill_(padding.unsqueeze(1), float("-inf"))
+    for i, n in enumerate(lens):
+        logits[i, :, n:] = float("-inf")
     n_quant = max(head.quant.num_windows for head in heads) * omega
     if n_quant:  # [quantized | full precision] per head, each part padded to the layer's longest
         cos, sin = owner.rope_table(keys)
