@@ -1,16 +1,17 @@
 """One routing move for every KV head of a layer at once: ``qevict_head`` on the CPU kernel.
 
 A head's move (``QEvictLayer._route``) is a fixed few dozen small tensor operations whatever its tiers hold, so
-moving a layer's H heads one by one cost 2.1x QEvict's move of the whole layer (line profile in the commit that
-added this file). Here the heads move together, as rows of padded tensors: one stable sort per tier ranks every
-head's candidates (padding at -inf sorts last, so each row is the head's own decision), one index gathers every
+moving a layer's H heads one by one cost about twice QEvict's move of the whole layer (line profile in commit
+87bc335's message). Here the heads move together, as rows of padded tensors: ``allot``'s one stable ranking gives
+every head's tiers (padding at -inf sorts last, so each row is the head's own decision), one index gathers every
 full-precision window from the step's padded workspace, one call quantizes every window that enters an INT2 tier
 without a record, and one join and one selection per tier build every head's ledger. Each head's new tiers are
 contiguous views of the layer's tensors, head after head: the varlen kernel reads them in place, and together they
 are exactly the layer's storage, so the byte count is unchanged.
 
-The decisions and the stored tiers are the head-by-head move's, bit for bit (same sorts, same per-window
-quantization; tests compare both), except the contents of dormant slots flagged invalid, which nothing reads.
+The decisions and the stored tiers are the head-by-head move's, bit for bit (the same stable rankings, the same
+per-window quantization; tests compare both), except the contents of dormant slots flagged invalid, which nothing
+reads.
 Every head moves at once, so the layer's old and new tiers coexist during the move, as in QEvict's own move;
 between the events the layer holds its H heads at their allotted K_f and K_q, within the budget.
 """
@@ -70,7 +71,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
         n_records += int(nf.sum())
     tier = (slot >= nq).long() + (slot >= nq + nf).long()
     start = row * width + sinks + (slot - nq) * omega
-    ids = pad_sequence(cands, batch_first=True)
+    ids = pad_sequence(cands, batch_first=True, padding_value=torch.iinfo(torch.int32).max)  # padding sorts last
     by_id = ids.argsort(dim=1)  # each head's chosen windows in window-id order, as route_windows returns them
     flat = by_id + row * c
     attrs = torch.stack([record, tier, start, ids.long()]).view(4, h * c)
