@@ -98,6 +98,9 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_paper": MethodSpec(_qevict("qevict_paper", prefill_window=0), "QEvict, the paper's preset "
                                "(QEvictConfig.paper()): prefill scores summed over every prompt query (Eq. 1) instead "
                                "of the last 32.", "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict"),
+    "qevict_int4": MethodSpec(_qevict("qevict_int4", bits=4), "QEvict with an INT4 recoverable tier: fewer low-bit "
+                              "windows for the same bytes, each four times finer (the paper's Appendix G trade-off).",
+                              "arXiv 2608.05326, App. G", "qevict"),
     "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
                               "its query group's attention blended with the layer's (β = 0.5), and each routing event "
                               "splits the layer's full and low-bit slots over heads AdaKV-style (floor α = 0.2).",
