@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
-
-NEW_STEPS = 40
+from qevict_core.budget import quant_window_bytes
 from qevict_core.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model
 from tests.test_equivalence import _Tok
+
+NEW_STEPS = 40
 
 
 def resident_tensors(layer) -> list[torch.Tensor]:
@@ -132,6 +133,17 @@ def test_the_paper_preset_is_the_default_with_eq1_over_every_prompt_query():
     assert QEvictConfig.paper(recent=64).recent == 64
     # The registry's paper lane, which the benchmarks and the studio run, is that preset.
     assert make_cache("qevict_paper", tiny_model("llama", 2), default, max_length=500).config == paper
+
+
+def test_the_int4_lane_is_the_default_with_an_int4_tier_and_fewer_windows_for_the_same_bytes():
+    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2)
+    int2 = make_cache("qevict", model, default, max_length=500)
+    int4 = make_cache("qevict_int4", model, default, max_length=500)
+    assert int4.config == default.replace(bits=4)
+    (p2, p4), shape = (int2.plan, int4.plan), KVShape.from_model(model)
+    assert p4.quant_window_bytes > p2.quant_window_bytes and p4.k_quant < p2.k_quant
+    assert p4.budget_bytes == p2.budget_bytes
+    assert p4.quant_window_bytes == quant_window_bytes(shape, default.omega, 4)
 
 
 def test_no_query_buffer_is_charged_and_r4_runs_at_the_papers_setting():
