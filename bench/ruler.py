@@ -58,6 +58,16 @@ def sized_sample(tokenizer, task: str, length: int, seed: int, depth: float | No
     return sample, ids
 
 
+def decode_until_answered(model, tokenizer, ids: torch.Tensor, lanes: list[Lane], sample: Sample) -> None:
+    """Every lane decodes ``ids`` together; once every answer is in a lane's output, more tokens cannot change
+    string_match_all, so that lane stops."""
+    by_name = {lane.name: lane for lane in lanes}
+    for event in generate_lanes(model, tokenizer, ids, lanes, Sampling(max_new_tokens=sample.max_new_tokens)):
+        lane = by_name.get(event.lane)
+        if event.kind == "token" and string_match_all(lane.text, sample.answers) == 1.0:
+            lane.done = "answered"
+
+
 def cell_key(row: dict) -> tuple:
     return row["method"], row["budget"], row["task"], row["length"], row["sample"]
 
@@ -97,13 +107,7 @@ def run(args) -> None:
                 tqdm.write(f"skip {method}@{budget} {task} {length}: {err}")
                 continue
             runs.append((method, budget, Lane(f"{method}@{budget}", cache)))
-        lanes_by_name = {lane.name: lane for *_, lane in runs}
-        for event in generate_lanes(model, tokenizer, ids, list(lanes_by_name.values()),
-                                    Sampling(max_new_tokens=sample.max_new_tokens)):
-            lane = lanes_by_name.get(event.lane)
-            # Once every answer is in the output, more tokens cannot change string_match_all: stop that lane.
-            if event.kind == "token" and string_match_all(lane.text, sample.answers) == 1.0:
-                lane.done = "answered"
+        decode_until_answered(model, tokenizer, ids, [lane for *_, lane in runs], sample)
         for method, budget, lane in runs:
             memory, summary = lane.cache.memory_report(), lane.cache.summary()
             stop = lane.done or "length"

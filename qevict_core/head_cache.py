@@ -222,7 +222,7 @@ class HeadwiseQEvictCache(QEvictCache):
         eligible = (rank if promotion else rank.masked_fill(in_quant, float("-inf"))).sort(
             dim=1, descending=True, stable=True)
         k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.floor * plan.k_full))
-        # What each head's full tier leaves (its best k_full eligible ranks taken out) competes for INT2 slots.
+        # What each head's full tier leaves (its best k_full eligible ranks taken out) competes for low-bit slots.
         rest = eligible.values.masked_fill(torch.arange(rank.shape[1]) < torch.tensor(k_full).unsqueeze(1),
                                            float("-inf"))
         if not promotion:

@@ -4,7 +4,7 @@ A head's move (``QEvictLayer._route``) is a fixed few dozen small tensor operati
 moving a layer's H heads one by one cost about twice QEvict's move of the whole layer (line profile in commit
 87bc335's message). Here the heads move together, as rows of padded tensors: ``allot``'s one stable ranking gives
 every head's tiers (padding at -inf sorts last, so each row is the head's own decision), one index gathers every
-full-precision window from the step's padded workspace, one call quantizes every window that enters an INT2 tier
+full-precision window from the step's padded workspace, one call quantizes every window that enters a low-bit tier
 without a record, and one join and one selection per tier build every head's ledger. Each head's new tiers are
 contiguous views of the layer's tensors, head after head: the varlen kernel reads them in place, and together they
 are exactly the layer's storage, so the byte count is unchanged.
@@ -78,7 +78,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     f_rec, f_tier, f_start, f_ids = attrs.index_select(1, flat[full.gather(1, by_id)])  # (ΣK_f,) each, head-major
     q_rec, q_tier, q_start, q_ids = attrs.index_select(1, flat[quant.gather(1, by_id)])
 
-    # Windows entering an INT2 tier without a record are quantized now, from the workspace (never promoted ones).
+    # Windows entering a low-bit tier without a record are quantized now, from the workspace (never promoted ones).
     ws_keys, ws_values = keys.view(1, 1, h * width, d), values.view(1, 1, h * width, d)  # (B, H, T, D), B = H = 1
     need = q_rec < 0
     n_fresh = int(need.sum())

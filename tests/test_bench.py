@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import diagnostics, drift, fidelity, ruler, speed
+from bench import diagnostics, drift, fidelity, needle_tiers, ruler, ruler_variants, speed
 from bench.common import parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
 from qevict_core.testing import tiny_tokenizer
@@ -71,6 +71,35 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     plan = next(r for r in rows if r["method"] == "qevict")
     assert qevict_row.split(" | ")[2].startswith(str(plan["k_full"]))  # the plan's capacities are printed
     assert fullkv_row.split(" | ")[2] == "—"
+
+
+def test_ruler_variants_run_each_config_beside_fullkv_and_refuse_unknown_fields(tmp_path, capsys):
+    out = tmp_path / "variants.jsonl"
+    common = ["--model", "tiny", "--budget", "0.3", "--length", "1024", "--tasks", "niah_single_1", "--samples", "2",
+              "--out", str(out), "--variants", '{"int4": {"bits": 4}, "q90": {"q_frac": 0.9}}']
+    ruler_variants.main(common + ["--shard", "0/2"])
+    ruler_variants.main(common + ["--shard", "1/2"])
+    rows = read_jsonl([out])
+    assert sorted((r["variant"], r["sample"]) for r in rows) == sorted(
+        (v, s) for v in ("fullkv", "int4", "q90") for s in (0, 1))
+    config = {r["variant"]: r["config"] for r in rows}
+    assert config["int4"]["bits"] == 4 and config["q90"]["q_frac"] == 0.9 and config["fullkv"] is None
+    assert all(c["budget"] == 0.3 for v, c in config.items() if c)
+    assert "(2 samples)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown config keys"):
+        ruler_variants.configs({"bad": {"bitz": 4}}, 0.1)
+
+
+def test_needle_tiers_finds_the_answer_and_counts_a_tier_per_layer_window(capsys):
+    tok = tiny_tokenizer()
+    ids = tok("abc One of the magic numbers is: 8653229. xyz").input_ids
+    i, j = needle_tiers.answer_span(tok, ids, "8653229")
+    assert tok.decode(ids[i:j]).strip() == "8653229"  # the shortest span holding it
+    with pytest.raises(ValueError, match="not found"):
+        needle_tiers.answer_span(tok, ids, "1111111")
+    needle_tiers.main(["--model", "tiny", "--length", "1024", "--samples", "0", "--budget", "0.3", "--bits", "2"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "INT2: layer-windows" in line and "sample 0" in line
 
 
 def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
