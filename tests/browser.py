@@ -63,9 +63,14 @@ def open_page(browser, url: str, viewport=DESKTOP, context=None):
     return page
 
 
+def pick(page, elem_id: str, name: str) -> None:
+    """Choose ``name`` in a dropdown by clicking its option (typing and pressing Enter races the option list)."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=name, exact=True).click()
+
+
 def pick_example(page, name: str) -> None:
-    page.locator("#example input").click()
-    page.get_by_role("option", name=name).click()
+    pick(page, "example", name)
     page.wait_for_function("document.querySelector('#prompt textarea').value.length > 0")
 
 

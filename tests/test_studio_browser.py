@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.browser import PHONE, chromium, free_port, need_chromium, open_page, pick_example, set_number, shot
+from tests.browser import PHONE, chromium, free_port, need_chromium, open_page, pick, pick_example, set_number, shot
 from ui.examples import EXAMPLES
 
 pytestmark = pytest.mark.browser
@@ -91,8 +91,7 @@ def test_every_example_runs_at_the_default_settings(studio, browser, name):
 def test_run_stream_share_and_replay(studio, browser):
     page = open_page(browser, studio["url"], {"width": 1400, "height": 1600})
     page.fill("#prompt textarea", "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?")
-    page.locator("#lane2 input").fill("qevict_head")
-    page.keyboard.press("Enter")
+    pick(page, "lane2", "qevict_head")
     set_number(page, "max-new", 40)
     page.click("#generate")
     page.wait_for_function("document.querySelector('#lanes .qe-stats')?.textContent.includes('tokens')",
