@@ -109,7 +109,7 @@ def dequantized_keys_reference(ledger: WindowLedger, sinks: int, inv_freq: torch
     """The same dequantize + re-rotate in PyTorch, computed in ``dtype``: (keys (B, Hkv, T, D), values)."""
     from qevict_core.layout import window_positions
 
-    keys, values = ledger.dequantize()
+    keys, values = ledger.dequantize(dtype)
     cos, sin = rope_tables(window_positions(ledger.ids, sinks, ledger.omega), inv_freq, rope_scale)
     keys = keys.to(dtype)
     half = keys.shape[-1] // 2

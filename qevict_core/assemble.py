@@ -39,7 +39,8 @@ def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[
     keys = fp_keys[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]  # (B, H, N, D)
     values = fp_values[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]
     by_window = ledger.k_codes.reshape(b, h, ledger.num_windows, ledger.omega, -1)  # (B, H, n, Ω, D/c)
-    quant_keys = dequantize_packed(by_window, ledger.bits, ledger.k_scale.unsqueeze(3), ledger.k_zero.unsqueeze(3))
+    quant_keys = dequantize_packed(by_window, ledger.bits, ledger.k_scale.unsqueeze(3), ledger.k_zero.unsqueeze(3),
+                                   dtype=keys.dtype)
     _rotate_into(keys[:, :, :nq], quant_keys.reshape(b, h, nq, d), cos, sin)
     dequantize_packed(ledger.v_codes, ledger.bits, ledger.v_scale, ledger.v_zero, out=values[:, :, :nq])
     start = nq

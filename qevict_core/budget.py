@@ -57,9 +57,9 @@ class KVShape:
         return self.num_layers * self.token_bytes() * tokens
 
 
-def quant_window_bytes(shape: KVShape, omega: int, bits: int) -> int:
-    ledger = WindowLedger.empty(shape.batch, shape.num_kv_heads, shape.head_dim, omega, bits, shape.dtype,
-                                device="meta", num_windows=1)
+def quant_window_bytes(shape: KVShape, omega: int, bits: int, param_dtype: torch.dtype | None = None) -> int:
+    ledger = WindowLedger.empty(shape.batch, shape.num_kv_heads, shape.head_dim, omega, bits,
+                                param_dtype or shape.dtype, device="meta", num_windows=1)
     return sum(ledger.nbytes_by_component().values())
 
 
@@ -116,7 +116,7 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
             f"its always-kept tokens ({cfg.sinks} sinks, {cfg.recent} recent and up to {2 * cfg.omega - 1} arriving "
             f"between routing events) and its window scores need that much")
     m_full = cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
-    m_quant = quant_window_bytes(shape, cfg.omega, cfg.bits)
+    m_quant = quant_window_bytes(shape, cfg.omega, cfg.bits, cfg.param_dtype(shape.dtype))
     m_dormant = m_quant + shape.batch * FLAG_BYTES
     keeps_dormant = cfg.promotion and cfg.q_frac > 0
     m_f = m_full + (m_dormant if keeps_dormant else 0)

@@ -64,8 +64,8 @@ class QEvictLayer(ReportingLayer):
         empty = key_states.new_zeros(b, h, 0, d)
         self.sink_k = self.sink_v = self.full_k = self.full_v = self.recent_k = self.recent_v = empty
         self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
-        ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits, key_states.dtype,
-                                    key_states.device)
+        ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
+                                    owner.config.param_dtype(key_states.dtype), key_states.device)
         self.quant = ledger
         self.dormant = ledger if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
@@ -268,7 +268,7 @@ class QEvictLayer(ReportingLayer):
             positions = window_positions(cand_ids.gather(1, chosen), sinks, omega)
             pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
             records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
-                                                 omega, owner.config.bits))
+                                                 omega, owner.config.bits, owner.config.param_dtype(keys.dtype)))
             fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
             quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
         joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]

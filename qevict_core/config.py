@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+import torch
+
 SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
+SCALE_DTYPES = ("model", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,10 @@ class QEvictConfig:
     recent:       protected recent region, in tokens (full precision).
     q_frac:       fraction q of the historical budget given to the quantized tier (Eq. 3).
     bits:         precision of the recoverable tier (2 or 4).
+    scale_dtype:  storage of the low-bit tier's scales and zero-points: "model" (the model's dtype), "float16" or
+                  "bfloat16". On a float32 model a half-precision pair halves them, and they are most of a
+                  window's bytes at Ω = 8 (docs/engine.md); quantization is computed in the model's dtype against
+                  the stored (rounded) pair, so the error bound stays half a step.
     scorer:       window ranking function (Appendix J): cumulative, decay, pnorm or keynorm.
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
     prefill_window: a forward of more tokens than this (the prompt) scores windows with its last
@@ -50,6 +57,7 @@ class QEvictConfig:
     recent: int = 32
     q_frac: float = 0.70
     bits: int = 2
+    scale_dtype: str = "model"
     scorer: str = "cumulative"
     promotion: bool = True
     prefill_window: int = 32
@@ -94,6 +102,8 @@ class QEvictConfig:
                              f"(got {self.prefill_window!r})")
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS} (got {self.bits!r})")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES} (got {self.scale_dtype!r})")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS} (got {self.scorer!r})")
         if self.kernels not in KERNEL_SETTINGS:
@@ -109,6 +119,10 @@ class QEvictConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an integer number of windows >= 0, or None (got {value!r})")
+
+    def param_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the low-bit tier stores its scales and zero-points in, for a model of ``model_dtype``."""
+        return model_dtype if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
 
     def replace(self, **changes) -> QEvictConfig:
         return replace(self, **changes)

@@ -88,7 +88,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
         positions = window_positions(fresh_ids, sinks, omega)
         pre_rope = unrotate(ws_keys.index_select(2, tok), *owner.cos_sin(ws_keys, positions))
         parts.append(WindowLedger.quantize(pre_rope, ws_values.index_select(2, tok), fresh_ids, omega,
-                                           owner.config.bits))
+                                           owner.config.bits, owner.config.param_dtype(keys.dtype)))
         q_rec = q_rec.masked_scatter(need, n_records + torch.arange(n_fresh))
     parts = [p for p in parts if p.num_windows]
     joined = parts[0].cat(*parts[1:]) if parts else None
@@ -106,7 +106,8 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     tok = _tokens(f_start, omega)
     full_k, full_v = source_k.index_select(2, tok), source_v.index_select(2, tok)
     if joined is None:
-        joined = WindowLedger.empty(1, 1, d, omega, owner.config.bits, keys.dtype, keys.device, 1)
+        joined = WindowLedger.empty(1, 1, d, omega, owner.config.bits, owner.config.param_dtype(keys.dtype),
+                                    keys.device, 1)
     quant_ledger = joined.select(q_rec.unsqueeze(0))
 
     old = [(head.full_ids, head.quant.ids) for head in heads] if owner.config.record_events else None

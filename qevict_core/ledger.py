@@ -69,13 +69,14 @@ class WindowLedger:
 
     @classmethod
     def quantize(cls, keys_prerope: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, omega: int,
-                 bits: int) -> WindowLedger:
-        """keys_prerope, values (B, H, n*Ω, D); ids (B, n)."""
+                 bits: int, param_dtype: torch.dtype | None = None) -> WindowLedger:
+        """keys_prerope, values (B, H, n*Ω, D); ids (B, n); scales and zero-points in ``param_dtype`` (default the
+        keys' dtype)."""
         b, h, t, d = keys_prerope.shape
         n = t // omega
         by_window = keys_prerope.reshape(b, h, n, omega, d)  # (B, H, n, Ω, D)
-        k_codes, k_scale, k_zero = quantize(by_window, bits, dim=3)
-        v_codes, v_scale, v_zero = quantize(values, bits, dim=3)
+        k_codes, k_scale, k_zero = quantize(by_window, bits, dim=3, param_dtype=param_dtype)
+        v_codes, v_scale, v_zero = quantize(values, bits, dim=3, param_dtype=param_dtype)
         return cls(
             ids=ids.to(torch.int32),
             k_codes=pack(k_codes.reshape(b, h, t, d), bits),
@@ -88,22 +89,23 @@ class WindowLedger:
             bits=bits,
         )
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (pre-RoPE keys, values), each (B, H, n*Ω, D) in the scale dtype."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (pre-RoPE keys, values), each (B, H, n*Ω, D) in ``dtype`` (default the scale dtype)."""
         b, h, t, p = self.k_codes.shape
         by_window = self.k_codes.reshape(b, h, self.num_windows, self.omega, p)  # (B, H, n, Ω, D/c)
-        keys = dequantize_packed(by_window, self.bits, self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3))
-        values = dequantize_packed(self.v_codes, self.bits, self.v_scale, self.v_zero)
+        keys = dequantize_packed(by_window, self.bits, self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3),
+                                 dtype=dtype)
+        values = dequantize_packed(self.v_codes, self.bits, self.v_scale, self.v_zero, dtype=dtype)
         return keys.reshape(b, h, t, -1), values
 
-    def dequantize_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize_reference(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`dequantize` through explicit unpacking (the slower path it replaced; tests compare the two)."""
         b, h, t, _ = self.k_codes.shape
         k_codes = unpack(self.k_codes, self.bits)
         d = k_codes.shape[-1]
         keys = dequantize(k_codes.reshape(b, h, self.num_windows, self.omega, d), self.k_scale.unsqueeze(3),
-                          self.k_zero.unsqueeze(3)).reshape(b, h, t, d)
-        return keys, dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero)
+                          self.k_zero.unsqueeze(3), dtype).reshape(b, h, t, d)
+        return keys, dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero, dtype)
 
     def select(self, window_idx: torch.Tensor) -> WindowLedger:
         """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows."""
