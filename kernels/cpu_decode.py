@@ -74,10 +74,10 @@ def _library() -> ctypes.CDLL:
                 raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[:500]}")
             os.replace(built, target)  # atomic: a concurrent process sees either no library or a whole one
     lib = ctypes.CDLL(str(target))
-    lib.quant_logits.argtypes = [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float]
-    lib.quant_values.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 6
-    lib.quant_logits_varlen.argtypes = [_PTR] * 9 + [_I64] * 8 + [ctypes.c_float]
-    lib.quant_values_varlen.argtypes = [_PTR, _I64] + [_PTR] * 5 + [_I64] * 5
+    lib.quant_logits.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 4 + [_I64] * 9 + [ctypes.c_float]
+    lib.quant_values.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR] + [_I64] * 6
+    lib.quant_logits_varlen.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float]
+    lib.quant_values_varlen.argtypes = [_PTR, _I64] + [_PTR] * 3 + [_I64] + [_PTR] * 2 + [_I64] * 5
     for fn in (lib.quant_logits, lib.quant_values, lib.quant_logits_varlen, lib.quant_values_varlen):
         fn.restype = ctypes.c_int
     return lib
@@ -132,6 +132,16 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.contiguous()
 
 
+# The C side's code for each dtype scales and zero-points may be stored in.
+PARAM_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _param_kind(scale: torch.Tensor) -> int:
+    if scale.dtype not in PARAM_KINDS:
+        raise ValueError(f"scales and zero-points must be one of {tuple(PARAM_KINDS)} (got {scale.dtype})")
+    return PARAM_KINDS[scale.dtype]
+
+
 def quant_logits(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                  ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sinks: int, omega: int, bits: int,
                  scaling: float) -> torch.Tensor:
@@ -141,13 +151,15 @@ def quant_logits(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tenso
     b, h, r, d = rows.shape
     n = k_codes.shape[2]
     _shape(d, bits, n, omega)
+    kind = _param_kind(k_scale)
+    params = [_check("k_scale", k_scale, k_scale.dtype), _check("k_zero", k_zero, k_scale.dtype)]
     tensors = [_check("rows", rows, torch.float32), _check("k_codes", k_codes, torch.uint8),
-               _check("k_scale", k_scale, torch.float32), _check("k_zero", k_zero, torch.float32),
                _check("ids", ids, torch.int32), _check("cos", cos, torch.float32), _check("sin", sin, torch.float32)]
     out = rows.new_empty(b, h, r, n)
-    ptrs = [t.data_ptr() for t in tensors] + [out.data_ptr()]
+    ptrs = [t.data_ptr() for t in tensors[:2] + params] + [kind] + [t.data_ptr() for t in tensors[2:]]
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_logits(*ptrs, h, h0, h1, r, n, d, bits, omega, sinks, scaling), b * h)
+    _over_heads(lambda h0, h1: lib.quant_logits(*ptrs, out.data_ptr(), h, h0, h1, r, n, d, bits, omega, sinks,
+                                                scaling), b * h)
     return out
 
 
@@ -159,13 +171,14 @@ def quant_values(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tens
     _shape(2, bits)
     n, d = v_codes.shape[2], v_codes.shape[3] * 8 // bits
     _shape(d, bits)
+    kind = _param_kind(v_scale)
     tensors = [_check("probs", probs, torch.float32), _check("v_codes", v_codes, torch.uint8),
-               _check("v_scale", v_scale, torch.float32), _check("v_zero", v_zero, torch.float32)]
+               _check("v_scale", v_scale, v_scale.dtype), _check("v_zero", v_zero, v_scale.dtype)]
     out = probs.new_empty(b, h, r, d)
     p, codes, scale, zero = (t.data_ptr() for t in tensors)
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_values(p, stride, codes, scale, zero, out.data_ptr(), h0, h1, r, n, d,
-                                                bits), b * h)
+    _over_heads(lambda h0, h1: lib.quant_values(p, stride, codes, scale, zero, kind, out.data_ptr(), h0, h1, r, n,
+                                                d, bits), b * h)
     return out
 
 
@@ -193,6 +206,7 @@ def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]
     if len(tiers) != h:
         raise ValueError(f"one tier per head: rows has {h} heads, tiers has {len(tiers)}")
     packed = d * bits // 8
+    kind = _param_kind(tiers[0][1]) if tiers else 0
     checked, lengths = [], []
     for head, (codes, scale, zero, ids) in enumerate(tiers):
         n = _windows("k_codes", codes, packed, head)
@@ -202,8 +216,8 @@ def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]
                 raise ValueError(f"{name} of head {head} must hold {n // omega} windows of {d} channels")
         if ids.numel() != n // omega:
             raise ValueError(f"ids of head {head} must hold {n // omega} window ids (got {ids.numel()})")
-        checked.append((_check("k_codes", codes, torch.uint8), _check("k_scale", scale, torch.float32),
-                        _check("k_zero", zero, torch.float32), _check("ids", ids, torch.int32)))
+        checked.append((_check("k_codes", codes, torch.uint8), _check("k_scale", scale, tiers[0][1].dtype),
+                        _check("k_zero", zero, tiers[0][1].dtype), _check("ids", ids, torch.int32)))
         lengths.append(n)
     width = max(lengths, default=0) if width is None else width
     if width < max(lengths, default=0):
@@ -214,9 +228,9 @@ def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]
     n = (ctypes.c_int64 * h)(*lengths)
     codes, scale, zero, ids = (_pointers([c[i] for c in checked]) for i in range(4))
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_logits_varlen(rows.data_ptr(), codes, scale, zero, ids, n, cos.data_ptr(),
-                                                       sin.data_ptr(), out.data_ptr(), width, h0, h1, r, d, bits,
-                                                       omega, sinks, scaling), h)
+    _over_heads(lambda h0, h1: lib.quant_logits_varlen(rows.data_ptr(), codes, scale, zero, kind, ids, n,
+                                                       cos.data_ptr(), sin.data_ptr(), out.data_ptr(), width, h0, h1,
+                                                       r, d, bits, omega, sinks, scaling), h)
     return out
 
 
@@ -232,21 +246,22 @@ def quant_values_varlen(probs: torch.Tensor, tiers: list[tuple[torch.Tensor, ...
     d = tiers[0][0].shape[-1] * 8 // bits
     _shape(d, bits)
     packed = d * bits // 8
+    kind = _param_kind(tiers[0][1])
     checked, lengths = [], []
     for head, (codes, scale, zero) in enumerate(tiers):
         n = _windows("v_codes", codes, packed, head)
         if n > stride or scale.numel() != n or zero.numel() != n:
             raise ValueError(f"head {head}: {n} values need v_scale and v_zero of {n} and at most {stride} "
                              f"probability columns (got {scale.numel()}, {zero.numel()})")
-        checked.append((_check("v_codes", codes, torch.uint8), _check("v_scale", scale, torch.float32),
-                        _check("v_zero", zero, torch.float32)))
+        checked.append((_check("v_codes", codes, torch.uint8), _check("v_scale", scale, tiers[0][1].dtype),
+                        _check("v_zero", zero, tiers[0][1].dtype)))
         lengths.append(n)
     probs = _check("probs", probs, torch.float32)
     out = probs.new_empty(h, r, d)
     n = (ctypes.c_int64 * h)(*lengths)
     codes, scale, zero = (_pointers([c[i] for c in checked]) for i in range(3))
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_values_varlen(probs.data_ptr(), stride, codes, scale, zero, n,
+    _over_heads(lambda h0, h1: lib.quant_values_varlen(probs.data_ptr(), stride, codes, scale, zero, kind, n,
                                                        out.data_ptr(), h0, h1, r, d, bits), h)
     return out
 

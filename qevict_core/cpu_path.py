@@ -29,7 +29,7 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     logits = torch.matmul(rows, fp_keys.float().transpose(2, 3)).mul_(scaling)  # (B, Hkv, G*L, n)
     if n_quant:  # [quantized | full precision], the order of the key positions
         cos, sin = owner.rope_table(fp_keys)
-        quant_logits = cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale.float(), quant.k_zero.float(), quant.ids, cos, sin,
+        quant_logits = cpu_decode.quant_logits(rows, quant.k_codes, quant.k_scale, quant.k_zero, quant.ids, cos, sin,
                                                owner.config.sinks, quant.omega, quant.bits, scaling)
         logits = torch.cat([quant_logits, logits], dim=-1)
     if lq > 1:  # only the queries' own tokens can be later than a query: the last L keys, bottom-right causal
@@ -38,7 +38,7 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     probs = torch.softmax(logits, dim=-1)
     out = torch.matmul(probs[..., n_quant:], fp_values.float())  # (B, Hkv, G*L, D)
     if n_quant:
-        out += cpu_decode.quant_values(probs, quant.v_codes, quant.v_scale.float(), quant.v_zero.float(), quant.bits)
+        out += cpu_decode.quant_values(probs, quant.v_codes, quant.v_scale, quant.v_zero, quant.bits)
     owner.note_workspace(2 * probs.nbytes)
     out = out.view(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
     return out, probs.view(b, hkv, hq // hkv, lq, -1).sum(dim=(2, 3))

@@ -101,6 +101,10 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_int4": MethodSpec(_qevict("qevict_int4", bits=4), "QEvict with an INT4 recoverable tier: fewer low-bit "
                               "windows for the same bytes, each four times finer (the paper's Appendix G trade-off).",
                               "arXiv 2608.05326, App. G", "qevict"),
+    "qevict_int4_f16scale": MethodSpec(_qevict("qevict_int4_f16scale", bits=4, scale_dtype="float16"),
+                                       "qevict_int4 with its scales and zero-points stored in float16: on a float32 "
+                                       "model they are half a window's bytes, so the same budget holds more INT4 "
+                                       "windows.", "arXiv 2608.05326, App. G; see docs/engine.md", "qevict"),
     "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
                               "its query group's attention blended with the layer's (β = 0.5), and each routing event "
                               "splits the layer's full and low-bit slots over heads AdaKV-style (floor α = 0.2).",

@@ -146,6 +146,23 @@ def test_the_int4_lane_is_the_default_with_an_int4_tier_and_fewer_windows_for_th
     assert p4.quant_window_bytes == quant_window_bytes(shape, default.omega, 4)
 
 
+def test_half_precision_scales_halve_a_windows_parameters_and_buy_windows_only_on_a_wider_model():
+    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2)
+    int4 = make_cache("qevict_int4", model, default, max_length=500)
+    half = make_cache("qevict_int4_f16scale", model, default, max_length=500)
+    assert half.config == default.replace(bits=4, scale_dtype="float16")
+    shape = KVShape.from_model(model)
+    # Per window: packed codes and an id, then a scale and a zero-point per key channel and per value token.
+    codes = 2 * shape.num_kv_heads * default.omega * shape.head_dim * 4 // 8 + 4
+    pairs = 2 * shape.num_kv_heads * (shape.head_dim + default.omega)
+    assert int4.plan.quant_window_bytes == codes + 4 * pairs
+    assert half.plan.quant_window_bytes == codes + 2 * pairs
+    assert half.plan.k_quant > int4.plan.k_quant and half.plan.budget_bytes == int4.plan.budget_bytes
+    # A bfloat16 model already stores 2-byte pairs: float16 ones buy nothing there.
+    bf16 = KVShape(2, 2, 4, 16, torch.bfloat16)
+    assert plan_tiers(bf16, default.replace(scale_dtype="float16"), 500) == plan_tiers(bf16, default, 500)
+
+
 def test_no_query_buffer_is_charged_and_r4_runs_at_the_papers_setting():
     # Appendix I.1: Llama-8B shapes, 768 tokens, 20%. Before scores were folded step by step, a buffer of Ω
     # queries per layer was charged and R4 (Ω = 32) could not run at all.

@@ -17,6 +17,7 @@ from tests.conftest import tiny_model
     ({"sinks": -1}, "sinks must be an integer >= 0"),
     ({"recent": -2}, "recent must be an integer >= 0"),
     ({"scorer": "magic"}, "scorer must be one of .*cumulative.*decay.*pnorm.*keynorm"),
+    ({"scale_dtype": "float8"}, "scale_dtype must be one of .*model.*float16.*bfloat16"),
     ({"budget": float("nan")}, "budget must be a finite number"),
     ({"budget": float("inf")}, "budget must be a finite number"),
     ({"q_frac": float("nan")}, "q_frac must be a finite number"),

@@ -102,6 +102,32 @@ def test_varlen_heads_match_the_reference_and_pad_with_minus_infinity(windows, r
                                 cpu_decode.quant_values_varlen_reference(probs, values, bits))
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_scales_read_as_their_float32_widening(param_dtype):
+    """The kernel widens stored pairs exactly: the same pairs handed over as float32 give bit-identical results,
+    through every entry point (subnormal float16 scales included)."""
+    args, v_codes = ledger_inputs(2, 2, 3, 64, 13, 8, 4)
+    narrow = {**args, "k_scale": args["k_scale"].to(param_dtype), "k_zero": args["k_zero"].to(param_dtype)}
+    narrow["k_scale"][0, 0, 0, :4] = torch.tensor([1e-7, 3e-6, 0.0, 6e-5]).to(param_dtype)
+    wide = {**narrow, "k_scale": narrow["k_scale"].float(), "k_zero": narrow["k_zero"].float()}
+    logits = cpu_decode.quant_logits(**narrow)
+    assert torch.equal(logits, cpu_decode.quant_logits(**wide))
+    probs = torch.softmax(logits, -1)
+    n = v_codes.shape[2]
+    v_scale, v_zero = (torch.rand(2, 2, n, 1) / 4).to(param_dtype), torch.randn(2, 2, n, 1).to(param_dtype)
+    assert torch.equal(cpu_decode.quant_values(probs, v_codes, v_scale, v_zero, 4),
+                       cpu_decode.quant_values(probs, v_codes, v_scale.float(), v_zero.float(), 4))
+    varlen, values = varlen_inputs((5, 0, 3), 3, 64, 8, 2)
+    to = lambda tiers, dtype: [tuple(t.to(dtype) if t.is_floating_point() else t for t in tier)  # noqa: E731
+                               for tier in tiers]
+    got = cpu_decode.quant_logits_varlen(**{**varlen, "tiers": to(varlen["tiers"], param_dtype)})
+    assert torch.equal(got, cpu_decode.quant_logits_varlen(**{**varlen, "tiers": to(to(varlen["tiers"], param_dtype),
+                                                                                    torch.float32)}))
+    probs = torch.softmax(got, -1)
+    assert torch.equal(cpu_decode.quant_values_varlen(probs, to(values, param_dtype), 2),
+                       cpu_decode.quant_values_varlen(probs, to(to(values, param_dtype), torch.float32), 2))
+
+
 def test_varlen_refuses_a_tier_that_does_not_fit():
     args, values = varlen_inputs((4, 2), 3, 64, 8, 2)
     with pytest.raises(ValueError, match="width must be at least the longest tier, 32 keys"):
@@ -133,6 +159,11 @@ def test_bad_inputs_say_what_is_allowed():
         cpu_decode.quant_logits(**{**args, "bits": 8})
     with pytest.raises(ValueError, match="not a multiple of Ω = 5"):
         cpu_decode.quant_logits(**{**args, "omega": 5})
+    with pytest.raises(ValueError, match=r"scales and zero-points must be one of \(torch.float32, torch.float16, "
+                                         r"torch.bfloat16\)"):
+        cpu_decode.quant_logits(**{**args, "k_scale": args["k_scale"].double()})
+    with pytest.raises(ValueError, match="k_zero must be a CPU torch.float16 tensor"):
+        cpu_decode.quant_logits(**{**args, "k_scale": args["k_scale"].half()})
 
 
 def test_the_library_is_built_once_per_machine_into_the_cache_dir(tmp_path, monkeypatch):
@@ -182,6 +213,26 @@ def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits)
         results[kernels] = (out[:, 400:].tolist(), cache.summary(), memory["components"])
     assert results["cpu"] == results["torch"]
     assert results["cpu"][1]["promotions"] > 0 and results["cpu"][1]["evictions"] > 0
+
+
+@pytest.mark.parametrize("method", ["qevict", "qevict_head"])
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_narrow_scales_generate_the_same_tokens_on_both_paths_within_budget(method, scale_dtype):
+    model = tiny_model("llama", 2)
+    prompt = random_prompt(400)
+    results = {}
+    config = QEvictConfig(budget=0.2, bits=4, scale_dtype=scale_dtype)
+    wide_plan = make_cache(method, model, config.replace(scale_dtype="model"), max_length=448).plan
+    for kernels in ("torch", "cpu"):
+        cache = make_cache(method, model, config.replace(kernels=kernels), max_length=448)
+        out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        memory = cache.memory_report()
+        assert memory["total_bytes"] <= memory["budget_bytes"]
+        tiers = [tier.quant for layer in cache.layers for tier in getattr(layer, "heads", [layer])]
+        assert tiers and all(tier.k_scale.dtype == getattr(torch, scale_dtype) for tier in tiers)
+        results[kernels] = (out[0, 400:].tolist(), cache.summary())
+    assert results["cpu"] == results["torch"]
+    assert cache.plan.k_quant > wide_plan.k_quant  # the same bytes hold more low-bit windows
 
 
 def test_the_cpu_kernel_on_smollm2_generates_the_torch_paths_tokens(smollm2):

@@ -21,12 +21,12 @@ def inv_freq(d):
     return 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
 
 
-def make_ledger(batch, hkv, windows, omega, d, bits, seed=0, dtype=torch.float32):
+def make_ledger(batch, hkv, windows, omega, d, bits, seed=0, dtype=torch.float32, param_dtype=None):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, hkv, windows * omega, d, generator=g) * torch.linspace(0.2, 3, d)
     values = torch.randn(batch, hkv, windows * omega, d, generator=g)
     ids = torch.stack([torch.randperm(4 * windows + 7, generator=g)[:windows] for _ in range(batch)]).int()
-    return WindowLedger.quantize(keys.to(dtype), values.to(dtype), ids, omega, bits)
+    return WindowLedger.quantize(keys.to(dtype), values.to(dtype), ids, omega, bits, param_dtype)
 
 
 def within_low_precision_error(out, ref32, ref_lp, floor=1e-5):
@@ -59,6 +59,22 @@ def test_quant_attention_reads_bfloat16_ledgers():
     out, _ = quant_attention(query, ledger, *args)
     ref, _ = quant_attention_reference(query.float(), ledger, *args)
     low, _ = quant_attention_reference(query, ledger, *args, dtype=torch.bfloat16)
+    within_low_precision_error(out, ref, low)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_quant_attention_widens_half_precision_scales_exactly(param_dtype):
+    """A float32 model's ledger with narrow scales: the kernel reads them as their float32 widening, bit for bit."""
+    narrow = make_ledger(1, 2, 13, 8, 64, 4, param_dtype=param_dtype)
+    wide = WindowLedger(**{**vars(narrow), **{name: getattr(narrow, name).float()
+                                               for name in ("k_scale", "k_zero", "v_scale", "v_zero")}})
+    query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1))
+    args = (SINKS, inv_freq(64), 1.0, 0.125)
+    out, lse = quant_attention(query, narrow, *args)
+    wide_out, wide_lse = quant_attention(query, wide, *args)
+    assert torch.equal(out, wide_out) and torch.equal(lse, wide_lse)
+    ref, _ = quant_attention_reference(query, narrow, *args)
+    low, _ = quant_attention_reference(query, narrow, *args, dtype=torch.bfloat16)
     within_low_precision_error(out, ref, low)
 
 

@@ -22,6 +22,38 @@ def test_quantize_error_within_half_step(bits, dim):
     assert err.max() > 0
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_narrow_scales_keep_the_half_step_bound_and_cover_every_slice(param_dtype, bits):
+    # Channels far from zero (offset 40) are where a zero-point rounded to nearest would leave the slice's minimum
+    # outside the grid: bfloat16 has 8 bits of mantissa.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, 64, generator=g) * torch.linspace(0.01, 3, 64) + torch.linspace(-40, 40, 64)
+    codes, scale, zero = quantize(x, bits, dim=2, param_dtype=param_dtype)
+    assert scale.dtype == zero.dtype == param_dtype
+    wide_scale, wide_zero = scale.double(), zero.double()
+    assert torch.all(wide_zero <= x.amin(2, keepdim=True).double())
+    assert torch.all(wide_zero + ((1 << bits) - 1) * wide_scale >= x.amax(2, keepdim=True).double())
+    err = (dequantize(codes, scale, zero, torch.float32).double() - x.double()).abs()
+    assert dequantize(codes, scale, zero, torch.float32).dtype == torch.float32
+    assert torch.all(err <= wide_scale / 2 * (1 + 1e-5) + 1e-5)
+    # Against the model-dtype pair the step grows by no more than the stored dtype's rounding: one ulp of the
+    # zero-point spread over the levels, one ulp of the scale.
+    _, full_scale, _ = quantize(x, bits, dim=2)
+    ulp = 2.0 ** -(10 if param_dtype == torch.float16 else 7)
+    assert torch.all(scale.float() <= (full_scale + zero.float().abs() * ulp / ((1 << bits) - 1)) * (1 + 2 * ulp))
+    assert (scale.float() / full_scale).max() > 1  # rounding up shows: the check above is not vacuous
+
+
+def test_values_beyond_float16_say_which_scale_dtypes_fit():
+    x = torch.full((1, 1, 8, 4), -6.9e4)  # the zero-point, -7e4, is past float16's largest number (65,504)
+    x[..., 0, :] = -7e4
+    with pytest.raises(ValueError, match="do not fit torch.float16 scales.*scale_dtype='model' or 'bfloat16'"):
+        quantize(x, 2, dim=2, param_dtype=torch.float16)
+    codes, scale, zero = quantize(x, 2, dim=2, param_dtype=torch.bfloat16)
+    assert torch.isfinite(scale).all()
+
+
 def test_constant_slice_dequantizes_exactly():
     x = torch.full((1, 1, 8, 4), 3.25)
     codes, scale, zero = quantize(x, 2, dim=2)
@@ -77,6 +109,11 @@ def test_ledger_layout_and_bytes(bits):
     shape = KVShape(num_layers=1, num_kv_heads=3, num_q_heads=3, head_dim=16, dtype=torch.float32, batch=2)
     measured = sum(ledger.nbytes_by_component().values())
     assert measured == 3 * quant_window_bytes(shape, 8, bits)
+    half = WindowLedger.quantize(keys, values, ledger.ids, omega=8, bits=bits, param_dtype=torch.float16)
+    assert half.dequantize(torch.float32)[0].dtype == torch.float32
+    meta = ledger.nbytes_by_component()["quant_meta"]
+    assert half.nbytes_by_component() == {**ledger.nbytes_by_component(), "quant_meta": meta // 2}
+    assert sum(half.nbytes_by_component().values()) == 3 * quant_window_bytes(shape, 8, bits, torch.float16)
 
 
 def test_select_and_cat_move_records_without_changing_them():

@@ -5,6 +5,8 @@
  *                 (code * scale + zero, per channel and window) and re-rotated at its absolute position from
  *                 cos/sin rows, then dotted with each row;
  *   quant_values: each row's probabilities times the dequantized values (code * scale + zero, per token).
+ * Scales and zero-points are float32, float16 or bfloat16 (``kind`` 0, 1, 2), widened exactly to float as they are
+ * read: once per window for the keys' per-channel pairs, once per token for the values'.
  * Nothing of the tier is materialised beyond one key or value row on the stack. Built with
  * -ffp-contract=off so dequantization and rotation round exactly as the PyTorch path does (two roundings,
  * no fused multiply-add); the dot products sum in another order than BLAS, so logits agree to float rounding.
@@ -17,6 +19,27 @@
 #define MAX_D 512
 #define LANES 8
 #define INLINE static inline __attribute__((always_inline))
+
+/* Exact: every float16 and bfloat16 number is a float. Bit arithmetic rather than _Float16, which not every
+ * compiler that builds this file knows. */
+INLINE float widen(const void *params, int64_t i, int kind) {
+    if (kind == 0) return ((const float *)params)[i];
+    const uint16_t h = ((const uint16_t *)params)[i];
+    uint32_t bits;
+    if (kind == 2) {
+        bits = (uint32_t)h << 16;
+    } else {
+        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+        if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
+            const float f = (float)man * 5.9604644775390625e-8f;
+            return sign ? -f : f;
+        }
+        bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static void code_table(int bits, float *table) {
     int per = 8 / bits, mask = (1 << bits) - 1;
@@ -39,13 +62,13 @@ INLINE float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_scale, const float *k_zero,
+INLINE void logits_body(const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero, int kind,
                         const int32_t *ids, const float *cos, const float *sin, float *out, int64_t out_stride,
                         int64_t heads_per_row, int64_t h0, int64_t h1, int64_t rows, int64_t n, const int d,
                         const int bits, int64_t omega, int64_t sinks, float scaling) {
     const int per = 8 / bits, packed = d / per, half = d / 2;
     const int64_t windows = n / omega;
-    float table[256 * 4], key[MAX_D], rot[MAX_D];
+    float table[256 * 4], key[MAX_D], rot[MAX_D], sc[MAX_D], zc[MAX_D];
     code_table(bits, table);
     for (int64_t bh = h0; bh < h1; bh++) {
         const int32_t *row_ids = ids + (bh / heads_per_row) * windows;
@@ -53,7 +76,11 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_s
         float *oh = out + bh * rows * out_stride;
         for (int64_t t = 0; t < n; t++) {
             const int64_t w = t / omega, pos = sinks + (int64_t)row_ids[w] * omega + t % omega;
-            const float *sc = k_scale + (bh * windows + w) * d, *zc = k_zero + (bh * windows + w) * d;
+            if (t % omega == 0)
+                for (int i = 0; i < d; i++) {
+                    sc[i] = widen(k_scale, (bh * windows + w) * d + i, kind);
+                    zc[i] = widen(k_zero, (bh * windows + w) * d + i, kind);
+                }
             const float *c = cos + pos * d, *s = sin + pos * d;
             unpack_row(k_codes + (bh * n + t) * packed, packed, per, table, key);
             for (int i = 0; i < d; i++) key[i] = key[i] * sc[i] + zc[i];
@@ -64,8 +91,8 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const float *k_s
     }
 }
 
-INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_codes, const float *v_scale,
-                        const float *v_zero, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
+INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_codes, const void *v_scale,
+                        const void *v_zero, int kind, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
                         const int d, const int bits) {
     const int per = 8 / bits, packed = d / per;
     float table[256 * 4], value[MAX_D];
@@ -75,7 +102,7 @@ INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_cod
         const float *ph = probs + bh * rows * stride;
         memset(oh, 0, sizeof(float) * rows * d);
         for (int64_t t = 0; t < n; t++) {
-            const float sc = v_scale[bh * n + t], zc = v_zero[bh * n + t];
+            const float sc = widen(v_scale, bh * n + t, kind), zc = widen(v_zero, bh * n + t, kind);
             unpack_row(v_codes + (bh * n + t) * packed, packed, per, table, value);
             for (int i = 0; i < d; i++) value[i] = value[i] * sc + zc;
             for (int64_t r = 0; r < rows; r++) {
@@ -95,27 +122,27 @@ INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_cod
     else if ((D) == 128 && (BITS) == 4) BODY(__VA_ARGS__, 128, 4);                     \
     else BODY(__VA_ARGS__, (int)(D), (int)(BITS));
 
-#define LOGITS(...) logits_body(q, k_codes, k_scale, k_zero, ids, cos, sin, out, n, heads_per_row, h0, h1, rows, \
-                                n, __VA_ARGS__, omega, sinks, scaling)
-#define LOGITS_ONE(...) logits_body(q + h * rows * d, k_codes[h], k_scale[h], k_zero[h], ids[h], cos, sin,         \
+#define LOGITS(...) logits_body(q, k_codes, k_scale, k_zero, kind, ids, cos, sin, out, n, heads_per_row, h0, h1,  \
+                                rows, n, __VA_ARGS__, omega, sinks, scaling)
+#define LOGITS_ONE(...) logits_body(q + h * rows * d, k_codes[h], k_scale[h], k_zero[h], kind, ids[h], cos, sin,   \
                                     out + h * rows * stride, stride, 1, 0, 1, rows, n[h], __VA_ARGS__, omega, sinks, \
                                     scaling)
-#define VALUES_ONE(...) values_body(probs + h * rows * stride, stride, v_codes[h], v_scale[h], v_zero[h],            \
+#define VALUES_ONE(...) values_body(probs + h * rows * stride, stride, v_codes[h], v_scale[h], v_zero[h], kind,      \
                                     out + h * rows * d, 0, 1, rows, n[h], __VA_ARGS__)
-#define VALUES(...) values_body(probs, stride, v_codes, v_scale, v_zero, out, h0, h1, rows, n, __VA_ARGS__)
+#define VALUES(...) values_body(probs, stride, v_codes, v_scale, v_zero, kind, out, h0, h1, rows, n, __VA_ARGS__)
 #define UNUSED 0
 
-static int bad_shape(int64_t d, int64_t bits) {
-    return d <= 0 || d > MAX_D || d % 2 || (bits != 2 && bits != 4) || d % (8 / bits);
+static int bad_shape(int64_t d, int64_t bits, int64_t kind) {
+    return d <= 0 || d > MAX_D || d % 2 || (bits != 2 && bits != 4) || d % (8 / bits) || kind < 0 || kind > 2;
 }
 
-/* q (B*H, R, D); k_codes (B*H, N, D/per); k_scale, k_zero (B*H, N/omega, D); ids (B, N/omega);
+/* q (B*H, R, D); k_codes (B*H, N, D/per); k_scale, k_zero (B*H, N/omega, D) of ``kind``; ids (B, N/omega);
  * cos, sin (T, D) rows by absolute position; out (B*H, R, N). Heads [h0, h1) of the flattened B*H. */
-int quant_logits(const float *q, const uint8_t *k_codes, const float *k_scale, const float *k_zero,
+int quant_logits(const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero, int64_t kind,
                  const int32_t *ids, const float *cos, const float *sin, float *out, int64_t heads_per_row,
                  int64_t h0, int64_t h1, int64_t rows, int64_t n, int64_t d, int64_t bits, int64_t omega,
                  int64_t sinks, float scaling) {
-    if (bad_shape(d, bits) || omega <= 0 || n % omega) return 1;
+    if (bad_shape(d, bits, kind) || omega <= 0 || n % omega) return 1;
 #define LOGITS_AT(unused, D, BITS) LOGITS(D, BITS)
     DISPATCH(LOGITS_AT, d, bits, UNUSED)
     return 0;
@@ -123,10 +150,10 @@ int quant_logits(const float *q, const uint8_t *k_codes, const float *k_scale, c
 
 /* probs (B*H, R, stride) whose first N columns belong to the quantized keys; v_codes (B*H, N, D/per);
  * v_scale, v_zero (B*H, N); out (B*H, R, D) is overwritten with probs[:, :, :N] @ dequantized values. */
-int quant_values(const float *probs, int64_t stride, const uint8_t *v_codes, const float *v_scale,
-                 const float *v_zero, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n, int64_t d,
-                 int64_t bits) {
-    if (bad_shape(d, bits) || stride < n) return 1;
+int quant_values(const float *probs, int64_t stride, const uint8_t *v_codes, const void *v_scale,
+                 const void *v_zero, int64_t kind, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
+                 int64_t d, int64_t bits) {
+    if (bad_shape(d, bits, kind) || stride < n) return 1;
 #define VALUES_AT(unused, D, BITS) VALUES(D, BITS)
     DISPATCH(VALUES_AT, d, bits, UNUSED)
     return 0;
@@ -136,11 +163,11 @@ int quant_values(const float *probs, int64_t stride, const uint8_t *v_codes, con
  * arrays, n[h] keys, window-major), so a layer whose heads keep different windows runs in one call.
  * q (H, R, D); out (H, R, stride): head h's columns [0, n[h]) get its logits, [n[h], stride) -inf, so one
  * softmax over the padded rows weighs every head's keys and nothing else. Heads [h0, h1). */
-int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const float *const *k_scale,
-                        const float *const *k_zero, const int32_t *const *ids, const int64_t *n, const float *cos,
-                        const float *sin, float *out, int64_t stride, int64_t h0, int64_t h1, int64_t rows,
-                        int64_t d, int64_t bits, int64_t omega, int64_t sinks, float scaling) {
-    if (bad_shape(d, bits) || omega <= 0) return 1;
+int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const void *const *k_scale,
+                        const void *const *k_zero, int64_t kind, const int32_t *const *ids, const int64_t *n,
+                        const float *cos, const float *sin, float *out, int64_t stride, int64_t h0, int64_t h1,
+                        int64_t rows, int64_t d, int64_t bits, int64_t omega, int64_t sinks, float scaling) {
+    if (bad_shape(d, bits, kind) || omega <= 0) return 1;
     for (int64_t h = h0; h < h1; h++)
         if (n[h] < 0 || n[h] % omega || n[h] > stride) return 1;
     for (int64_t h = h0; h < h1; h++) {
@@ -155,9 +182,10 @@ int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const flo
 /* probs (H, R, stride) whose first n[h] columns of head h weigh its quantized values; v_codes[h] (n[h], D/per);
  * v_scale[h], v_zero[h] (n[h]); out (H, R, D) is overwritten with each head's probs @ dequantized values. */
 int quant_values_varlen(const float *probs, int64_t stride, const uint8_t *const *v_codes,
-                        const float *const *v_scale, const float *const *v_zero, const int64_t *n, float *out,
+                        const void *const *v_scale, const void *const *v_zero, int64_t kind, const int64_t *n,
+                        float *out,
                         int64_t h0, int64_t h1, int64_t rows, int64_t d, int64_t bits) {
-    if (bad_shape(d, bits)) return 1;
+    if (bad_shape(d, bits, kind)) return 1;
     for (int64_t h = h0; h < h1; h++)
         if (n[h] < 0 || n[h] > stride) return 1;
     for (int64_t h = h0; h < h1; h++) {
