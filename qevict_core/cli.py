@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import BITS, SCORERS, QEvictConfig
+from .config import BITS, SCALE_DTYPES, SCORERS, QEvictConfig
 from .events import DoneEvent, TokenEvent
 from .generate import Lane, Sampling, generate_lanes
 from .registry import list_methods, make_cache
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--recent", type=int, default=DEFAULTS.recent)
     gen.add_argument("--q-frac", type=float, default=DEFAULTS.q_frac)
     gen.add_argument("--bits", type=int, default=DEFAULTS.bits, help=f"one of {BITS}")
+    gen.add_argument("--scale-dtype", default=DEFAULTS.scale_dtype,
+                     help=f"storage of the low-bit tier's scales and zero-points, one of {SCALE_DTYPES}")
     gen.add_argument("--scorer", default=DEFAULTS.scorer, help=f"one of {SCORERS}")
     gen.add_argument("--no-promotion", action="store_true", help="one-way Full -> Quantized -> Evicted")
     gen.add_argument("--prefill-chunk", type=int, default=None,
@@ -64,7 +66,8 @@ def run_generate(args) -> dict:
     from .models import load_model
 
     config = QEvictConfig(budget=args.budget, omega=args.omega, sinks=args.sinks, recent=args.recent,
-                          q_frac=args.q_frac, bits=args.bits, scorer=args.scorer, promotion=not args.no_promotion)
+                          q_frac=args.q_frac, bits=args.bits, scale_dtype=args.scale_dtype,
+                          scorer=args.scorer, promotion=not args.no_promotion)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     if not text.strip():

@@ -42,15 +42,18 @@ def _codes(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int
 
 def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int,
                      param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Parameters stored narrower than ``x``: the zero-point rounded down and the scale up to ``param_dtype``, so
-    that [zero, zero + levels * scale] still covers the slice, and the codes computed against the stored pair: the
-    half-step bound holds for the pair dequantization reads, not for one it never sees."""
+    """Parameters stored in another dtype than ``x``: the zero-point rounded down and the scale up to
+    ``param_dtype``, so that [zero, zero + levels * scale] still covers the slice, and the codes computed against
+    the stored pair: the half-step bound holds for the pair dequantization reads, not for one it never sees. The
+    arithmetic runs in float32 at least, where every float16 and bfloat16 pair is exact."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    x, lo, hi = x.to(work), lo.to(work), hi.to(work)
     zero = _round(lo, param_dtype, down=True)
-    scale = _round((hi - zero.to(x.dtype)) / levels, param_dtype, down=False)
+    scale = _round((hi - zero.to(work)) / levels, param_dtype, down=False)
     if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise ValueError(f"values up to {float(x.abs().max()):.3g} do not fit {param_dtype} scales and zero-points: "
                          f"use scale_dtype='model' or 'bfloat16'")
-    return _codes(x, zero.to(x.dtype), scale.to(x.dtype), levels), scale, zero
+    return _codes(x, zero.to(work), scale.to(work), levels), scale, zero
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:

@@ -45,6 +45,13 @@ def test_narrow_scales_keep_the_half_step_bound_and_cover_every_slice(param_dtyp
     assert (scale.float() / full_scale).max() > 1  # rounding up shows: the check above is not vacuous
 
 
+def test_a_bfloat16_model_with_float16_scales_keeps_the_bound_against_the_stored_pair():
+    x = (torch.randn(1, 2, 8, 64, generator=torch.Generator().manual_seed(1)) * 3 + 20).bfloat16()
+    codes, scale, zero = quantize(x, 4, dim=2, param_dtype=torch.float16)
+    err = (dequantize(codes, scale.double(), zero.double()) - x.double()).abs()
+    assert torch.all(err <= scale.double() / 2 * (1 + 1e-6))
+
+
 def test_values_beyond_float16_say_which_scale_dtypes_fit():
     x = torch.full((1, 1, 8, 4), -6.9e4)  # the zero-point, -7e4, is past float16's largest number (65,504)
     x[..., 0, :] = -7e4

@@ -57,7 +57,8 @@ def test_cli_json_output_parses(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(AUSTEN.read_text()[:3000] + "\n\nWho is Mr. Bennet?")
     done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt-file", str(prompt),
-                           "--budget", "0.3", "--max-new-tokens", "12", "--json"],
+                           "--budget", "0.3", "--max-new-tokens", "12", "--bits", "4", "--scale-dtype", "float16",
+                           "--json"],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -73,6 +74,11 @@ def test_cli_reports_bad_budget_readably(tmp_path):
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2
     assert "cannot hold the protected regions" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--scale-dtype",
+                           "float8"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2
+    assert "scale_dtype must be one of ('model', 'float16', 'bfloat16')" in done.stderr
 
 
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
