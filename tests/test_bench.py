@@ -246,6 +246,20 @@ def test_kernel_microbenchmark_smoke(tmp_path):
     assert by["kernel"]["bytes"] < by["sdpa_fp"]["bytes"] / 3  # INT2 codes + scales vs fp32 keys and values
 
 
+def test_cpu_kernel_microbenchmark_times_every_pair_dtype_against_float32(capsys):
+    from bench import cpu_kernel
+    from kernels import cpu_decode
+
+    if cpu_decode.available() is not None:
+        pytest.skip(f"the C kernel did not build: {cpu_decode.available()}")
+    timings = cpu_kernel.measure(windows=5, heads=2, rows=3, dim=64, omega=8, bits=2, repeats=1, calls=2)
+    assert set(timings) == {"float32", "float16", "bfloat16"}
+    assert all(t > 0 for pair in timings.values() for t in pair)
+    cpu_kernel.main(["--windows", "5", "--heads", "2", "--repeats", "1", "--calls", "2"])
+    out = capsys.readouterr().out
+    assert "5 windows x 2 KV heads" in out and "float32   quant_logits" in out and "(1.00x)" in out
+
+
 def test_a_passage_past_the_end_of_the_text_is_refused_before_anything_runs(smollm2):
     _, tokenizer = smollm2
     with pytest.raises(ValueError, match=r"from sentence 2800 has only 0 tokens, 100 needed .*lower --offset"):
