@@ -58,17 +58,23 @@ def _machine_key() -> str:
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
+    return build(FLAGS)
+
+
+def build(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel compiled with ``flags`` (cached by source, flags and CPU), loaded. Tests build variants with it,
+    such as ``-DQEVICT_BITWISE_HALF`` (the float16 widening of compilers without ``_Float16``)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelUnavailable("no C compiler found (set $CC or install gcc); kernels='torch' needs none")
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _machine_key().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + _machine_key().encode()).hexdigest()[:16]
     target = _cache_dir() / f"quant_decode-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True,
                                     text=True)
             if result.returncode != 0:
                 raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[:500]}")

@@ -128,6 +128,20 @@ def test_half_precision_scales_read_as_their_float32_widening(param_dtype):
                        cpu_decode.quant_values_varlen(probs, to(to(values, param_dtype), torch.float32), 2))
 
 
+def test_the_bit_arithmetic_widening_reads_float16_as_the_compilers_does(monkeypatch):
+    """Compilers without _Float16 widen float16 pairs with bit arithmetic: the same results, subnormals included."""
+    args, _ = ledger_inputs(1, 2, 3, 64, 13, 8, 4)
+    narrow = {**args, "k_scale": args["k_scale"].half(), "k_zero": args["k_zero"].half()}
+    narrow["k_scale"][0, 0, 0, :4] = torch.tensor([1e-7, 3e-6, 0.0, 6e-5]).half()
+    narrow["k_zero"][0, 1, 2, :3] = torch.tensor([-0.0, -3e-7, 6.5e4]).half()
+    expected = cpu_decode.quant_logits(**narrow)
+    bitwise = cpu_decode.build(cpu_decode.FLAGS + ("-DQEVICT_BITWISE_HALF",))
+    monkeypatch.setattr(cpu_decode, "_library", lambda: bitwise)
+    assert torch.equal(cpu_decode.quant_logits(**narrow), expected)
+    assert torch.equal(cpu_decode.quant_logits(**{**narrow, "k_scale": narrow["k_scale"].float(),
+                                                  "k_zero": narrow["k_zero"].float()}), expected)
+
+
 def test_varlen_refuses_a_tier_that_does_not_fit():
     args, values = varlen_inputs((4, 2), 3, 64, 8, 2)
     with pytest.raises(ValueError, match="width must be at least the longest tier, 32 keys"):

@@ -20,11 +20,11 @@
 #define LANES 8
 #define INLINE static inline __attribute__((always_inline))
 
-/* Exact: every float16 and bfloat16 number is a float. _Float16 where the compiler has it (a vcvtph2ps per 8 lanes
- * with F16C: a profile put the bit-arithmetic loop at +28% on a window-dense INT4 tier's logits), bit arithmetic
- * elsewhere. */
+/* Exact: every float16 and bfloat16 number is a float. _Float16 where the compiler has it (with F16C a vcvtph2ps
+ * per 8 lanes: bench.cpu_kernel put the logits pass at 1.10-1.14x float32 pairs' time with it, 1.39-1.40x with the
+ * bit arithmetic), bit arithmetic elsewhere or with -DQEVICT_BITWISE_HALF (how the tests reach it). */
 INLINE float half_to_float(uint16_t h) {
-#ifdef __FLT16_MAX__
+#if defined(__FLT16_MAX__) && !defined(QEVICT_BITWISE_HALF)
     _Float16 v;
     memcpy(&v, &h, sizeof v);
     return (float)v;
