@@ -30,8 +30,8 @@ class QEvictConfig:
     bits:         precision of the recoverable tier (2 or 4).
     scale_dtype:  storage of the low-bit tier's scales and zero-points: "model" (the model's dtype), "float16" or
                   "bfloat16". On a float32 model a half-precision pair halves them, and they are most of a
-                  window's bytes at Ω = 8 (docs/engine.md); quantization is computed in the model's dtype against
-                  the stored (rounded) pair, so the error bound stays half a step.
+                  window's bytes at Ω = 8 (docs/engine.md); codes are computed (in float32 at least) against the
+                  stored, rounded pair, so the error bound stays half a step.
     scorer:       window ranking function (Appendix J): cumulative, decay, pnorm or keynorm.
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
     prefill_window: a forward of more tokens than this (the prompt) scores windows with its last

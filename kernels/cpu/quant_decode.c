@@ -208,8 +208,7 @@ int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const voi
  * v_scale[h], v_zero[h] (n[h]); out (H, R, D) is overwritten with each head's probs @ dequantized values. */
 int quant_values_varlen(const float *probs, int64_t stride, const uint8_t *const *v_codes,
                         const void *const *v_scale, const void *const *v_zero, int64_t kind, const int64_t *n,
-                        float *out,
-                        int64_t h0, int64_t h1, int64_t rows, int64_t d, int64_t bits) {
+                        float *out, int64_t h0, int64_t h1, int64_t rows, int64_t d, int64_t bits) {
     if (bad_shape(d, bits, kind)) return 1;
     for (int64_t h = h0; h < h1; h++)
         if (n[h] < 0 || n[h] > stride) return 1;
