@@ -142,10 +142,14 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 PARAM_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _param_kind(scale: torch.Tensor) -> int:
-    if scale.dtype not in PARAM_KINDS:
-        raise ValueError(f"scales and zero-points must be one of {tuple(PARAM_KINDS)} (got {scale.dtype})")
-    return PARAM_KINDS[scale.dtype]
+def _pair(prefix: str, scale: torch.Tensor, zero: torch.Tensor,
+          dtype: torch.dtype | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A scale and a zero-point stored in one dtype (``dtype``, default the scale's) -> (the C side's code for it,
+    the checked pair)."""
+    dtype = dtype or scale.dtype
+    if dtype not in PARAM_KINDS:
+        raise ValueError(f"scales and zero-points must be one of {tuple(PARAM_KINDS)} (got {dtype})")
+    return PARAM_KINDS[dtype], _check(f"{prefix}_scale", scale, dtype), _check(f"{prefix}_zero", zero, dtype)
 
 
 def quant_logits(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
@@ -157,8 +161,7 @@ def quant_logits(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tenso
     b, h, r, d = rows.shape
     n = k_codes.shape[2]
     _shape(d, bits, n, omega)
-    kind = _param_kind(k_scale)
-    params = [_check("k_scale", k_scale, k_scale.dtype), _check("k_zero", k_zero, k_scale.dtype)]
+    kind, *params = _pair("k", k_scale, k_zero)
     tensors = [_check("rows", rows, torch.float32), _check("k_codes", k_codes, torch.uint8),
                _check("ids", ids, torch.int32), _check("cos", cos, torch.float32), _check("sin", sin, torch.float32)]
     out = rows.new_empty(b, h, r, n)
@@ -177,9 +180,8 @@ def quant_values(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tens
     _shape(2, bits)
     n, d = v_codes.shape[2], v_codes.shape[3] * 8 // bits
     _shape(d, bits)
-    kind = _param_kind(v_scale)
-    tensors = [_check("probs", probs, torch.float32), _check("v_codes", v_codes, torch.uint8),
-               _check("v_scale", v_scale, v_scale.dtype), _check("v_zero", v_zero, v_scale.dtype)]
+    kind, v_scale, v_zero = _pair("v", v_scale, v_zero)
+    tensors = [_check("probs", probs, torch.float32), _check("v_codes", v_codes, torch.uint8), v_scale, v_zero]
     out = probs.new_empty(b, h, r, d)
     p, codes, scale, zero = (t.data_ptr() for t in tensors)
     lib = _library()
@@ -212,8 +214,8 @@ def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]
     if len(tiers) != h:
         raise ValueError(f"one tier per head: rows has {h} heads, tiers has {len(tiers)}")
     packed = d * bits // 8
-    kind = _param_kind(tiers[0][1]) if tiers else 0
-    checked, lengths = [], []
+    dtype = tiers[0][1].dtype if tiers else torch.float32
+    kind, checked, lengths = 0, [], []
     for head, (codes, scale, zero, ids) in enumerate(tiers):
         n = _windows("k_codes", codes, packed, head)
         _shape(d, bits, n, omega)
@@ -222,8 +224,8 @@ def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]
                 raise ValueError(f"{name} of head {head} must hold {n // omega} windows of {d} channels")
         if ids.numel() != n // omega:
             raise ValueError(f"ids of head {head} must hold {n // omega} window ids (got {ids.numel()})")
-        checked.append((_check("k_codes", codes, torch.uint8), _check("k_scale", scale, tiers[0][1].dtype),
-                        _check("k_zero", zero, tiers[0][1].dtype), _check("ids", ids, torch.int32)))
+        kind, scale, zero = _pair("k", scale, zero, dtype)
+        checked.append((_check("k_codes", codes, torch.uint8), scale, zero, _check("ids", ids, torch.int32)))
         lengths.append(n)
     width = max(lengths, default=0) if width is None else width
     if width < max(lengths, default=0):
@@ -252,15 +254,15 @@ def quant_values_varlen(probs: torch.Tensor, tiers: list[tuple[torch.Tensor, ...
     d = tiers[0][0].shape[-1] * 8 // bits
     _shape(d, bits)
     packed = d * bits // 8
-    kind = _param_kind(tiers[0][1])
-    checked, lengths = [], []
+    dtype = tiers[0][1].dtype
+    kind, checked, lengths = 0, [], []
     for head, (codes, scale, zero) in enumerate(tiers):
         n = _windows("v_codes", codes, packed, head)
         if n > stride or scale.numel() != n or zero.numel() != n:
             raise ValueError(f"head {head}: {n} values need v_scale and v_zero of {n} and at most {stride} "
                              f"probability columns (got {scale.numel()}, {zero.numel()})")
-        checked.append((_check("v_codes", codes, torch.uint8), _check("v_scale", scale, tiers[0][1].dtype),
-                        _check("v_zero", zero, tiers[0][1].dtype)))
+        kind, scale, zero = _pair("v", scale, zero, dtype)
+        checked.append((_check("v_codes", codes, torch.uint8), scale, zero))
         lengths.append(n)
     probs = _check("probs", probs, torch.float32)
     out = probs.new_empty(h, r, d)
