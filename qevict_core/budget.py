@@ -118,13 +118,17 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
     m_full = cfg.omega * shape.token_bytes() + shape.batch * ID_BYTES
     m_quant = quant_window_bytes(shape, cfg.omega, cfg.bits, cfg.param_dtype(shape.dtype))
     m_dormant = m_quant + shape.batch * FLAG_BYTES
-    keeps_dormant = cfg.promotion and cfg.q_frac > 0
+    keeps_dormant = cfg.promotion and (cfg.q_frac > 0 or cfg.coverage is not None)
     m_f = m_full + (m_dormant if keeps_dormant else 0)
     if cfg.k_full is not None:
         return _fixed_capacities(shape, cfg, max_length, budget, num_windows, fixed, m_full, m_dormant, m_quant,
                                  keeps_dormant)
-    k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
-    k_quant = math.floor(cfg.q_frac * hist / m_quant)
+    if cfg.coverage is None:
+        k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
+        k_quant = math.floor(cfg.q_frac * hist / m_quant)
+    else:
+        k_quant = min(math.ceil(cfg.coverage * num_windows), hist // m_quant)
+        k_full = (hist - k_quant * m_quant) // m_f
     if k_full + k_quant > num_windows:
         # Eq. 3 would reserve quantized slots no sequence of this length can fill: spend the surplus on full
         # precision instead (the largest k_full with k_full * m_f + (W - k_full) * m_quant <= hist).

@@ -27,6 +27,10 @@ class QEvictConfig:
     sinks:        protected attention-sink prefix, in tokens (full precision).
     recent:       protected recent region, in tokens (full precision).
     q_frac:       fraction q of the historical budget given to the quantized tier (Eq. 3).
+    coverage:     None (Eq. 3's split by ``q_frac``) or a fraction κ of the windows of ``max_length``: the low-bit
+                  tier is sized first, to hold κ of them (all of the historical bytes where they cannot), and only
+                  the bytes left over buy full windows. Coverage before precision: where the budget is scarce a
+                  window kept in low bits beats a window evicted (docs/engine.md has the measurement).
     bits:         precision of the recoverable tier (2 or 4).
     scale_dtype:  storage of the low-bit tier's scales and zero-points: "model" (the model's dtype), "float16" or
                   "bfloat16". On a float32 model a half-precision pair halves them, and they are most of a
@@ -56,6 +60,7 @@ class QEvictConfig:
     sinks: int = 5
     recent: int = 32
     q_frac: float = 0.70
+    coverage: float | None = None
     bits: int = 2
     scale_dtype: str = "model"
     scorer: str = "cumulative"

@@ -74,6 +74,28 @@ def test_capacities_follow_eq3():
     assert plan.k_quant > 3 * plan.k_full
 
 
+def test_coverage_sizes_the_low_bit_tier_first_and_buys_full_windows_with_the_rest():
+    shape, length = KVShape(30, 3, 9, 64, torch.float32), 2048  # SmolLM2-135M
+    config = QEvictConfig(bits=4, scale_dtype="float16", coverage=0.8)
+    for budget in (0.05, 0.1, 0.2, 0.6):
+        plan = plan_tiers(shape, config.replace(budget=budget), length)
+        hist = plan.budget_bytes // shape.num_layers - plan.fixed_bytes
+        wanted = -(-8 * plan.num_windows // 10)  # ceil(0.8 W) without float rounding
+        assert plan.k_full * plan.full_window_bytes + plan.k_quant * plan.quant_window_bytes <= hist
+        if budget < 0.2:
+            # Too few bytes for 80% of the windows in INT4: every historical byte goes to the low-bit tier.
+            assert plan.k_full == 0 and plan.k_quant == hist // plan.quant_window_bytes < wanted
+        elif budget == 0.2:
+            assert plan.k_quant == wanted and plan.k_full == (hist - wanted * plan.quant_window_bytes) // \
+                plan.full_window_bytes > 0
+        else:
+            # Bytes for more than every window: the surplus goes to full precision, as with Eq. 3.
+            assert plan.k_full + plan.k_quant == plan.num_windows and plan.k_full > 0
+    # None keeps Eq. 3's split by q_frac.
+    assert plan_tiers(shape, QEvictConfig(q_frac=0.85), length) == \
+        plan_tiers(shape, QEvictConfig(q_frac=0.85, coverage=None), length)
+
+
 def test_int4_holds_fewer_windows_than_int2():
     model = tiny_model("llama", 2)
     int2 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=2), max_length=2000).plan

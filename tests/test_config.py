@@ -21,6 +21,10 @@ from tests.conftest import tiny_model
     ({"budget": float("nan")}, "budget must be a finite number"),
     ({"budget": float("inf")}, "budget must be a finite number"),
     ({"q_frac": float("nan")}, "q_frac must be a finite number"),
+    ({"coverage": 0.0}, r"coverage must be None \(split by q_frac\) or a fraction in \(0, 1\]"),
+    ({"coverage": 1.2}, r"coverage must be None .* or a fraction in \(0, 1\]"),
+    ({"coverage": float("nan")}, r"coverage must be None .* or a fraction in \(0, 1\]"),
+    ({"coverage": True}, r"coverage must be None .* or a fraction in \(0, 1\]"),
     ({"budget": "0.2"}, "budget must be a finite number"),
     ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
 ])
