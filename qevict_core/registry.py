@@ -105,6 +105,11 @@ METHODS: dict[str, MethodSpec] = {
                                        "qevict_int4 with its scales and zero-points stored in float16: on a float32 "
                                        "model they are half a window's bytes, so the same budget holds more INT4 "
                                        "windows.", "arXiv 2608.05326, App. G; see docs/engine.md", "qevict"),
+    "qevict_cover": MethodSpec(_qevict("qevict_cover", bits=4, scale_dtype="float16", coverage=0.7),
+                               "qevict_int4_f16scale with coverage first: the INT4 tier is sized to hold 70% of the "
+                               "windows (all of the historical bytes where it cannot) and only the bytes left over "
+                               "buy full windows; q is not used.", "arXiv 2608.05326, Eq. 3 and App. G; see "
+                               "docs/engine.md", "qevict"),
     "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
                               "its query group's attention blended with the layer's (β = 0.5), and each routing event "
                               "splits the layer's full and low-bit slots over heads AdaKV-style (floor α = 0.2).",

@@ -96,6 +96,20 @@ def test_coverage_sizes_the_low_bit_tier_first_and_buys_full_windows_with_the_re
         plan_tiers(shape, QEvictConfig(q_frac=0.85, coverage=None), length)
 
 
+def test_the_coverage_lane_is_the_f16scale_lane_with_its_split_by_coverage():
+    model = tiny_model("llama", 2)
+    for budget in (0.1, 0.3):
+        config = QEvictConfig(budget=budget)
+        lane = make_cache("qevict_cover", model, config, max_length=2000)
+        assert lane.config == config.replace(bits=4, scale_dtype="float16", coverage=0.7)
+        half = make_cache("qevict_int4_f16scale", model, config, max_length=2000).plan
+        assert lane.plan.quant_window_bytes == half.quant_window_bytes
+        if budget == 0.1:  # 70% of the windows do not fit in INT4: no full window, more INT4 ones than Eq. 3's
+            assert lane.plan.k_full == 0 and lane.plan.k_quant > half.k_quant
+        else:  # they fit: 70% of the windows in INT4, the rest of the bytes in full windows
+            assert lane.plan.k_quant == 175 and lane.plan.k_full > half.k_full
+
+
 def test_int4_holds_fewer_windows_than_int2():
     model = tiny_model("llama", 2)
     int2 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=2), max_length=2000).plan
