@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sinks", type=int, default=DEFAULTS.sinks)
     gen.add_argument("--recent", type=int, default=DEFAULTS.recent)
     gen.add_argument("--q-frac", type=float, default=DEFAULTS.q_frac)
+    gen.add_argument("--coverage", type=float, default=DEFAULTS.coverage,
+                     help="size the low-bit tier first to hold this fraction (0, 1] of the windows, instead of "
+                          "splitting by --q-frac")
     gen.add_argument("--bits", type=int, default=DEFAULTS.bits, help=f"one of {BITS}")
     gen.add_argument("--scale-dtype", default=DEFAULTS.scale_dtype,
                      help=f"storage of the low-bit tier's scales and zero-points, one of {SCALE_DTYPES}")
@@ -66,7 +69,7 @@ def run_generate(args) -> dict:
     from .models import load_model
 
     config = QEvictConfig(budget=args.budget, omega=args.omega, sinks=args.sinks, recent=args.recent,
-                          q_frac=args.q_frac, bits=args.bits, scale_dtype=args.scale_dtype,
+                          q_frac=args.q_frac, coverage=args.coverage, bits=args.bits, scale_dtype=args.scale_dtype,
                           scorer=args.scorer, promotion=not args.no_promotion)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()

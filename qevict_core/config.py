@@ -102,6 +102,10 @@ class QEvictConfig:
             raise ValueError(f"recent must be an integer >= 0 (got {self.recent!r})")
         if not 0.0 <= self.q_frac <= 1.0:
             raise ValueError(f"q_frac must lie in [0, 1] (got {self.q_frac!r})")
+        if self.coverage is not None and (isinstance(self.coverage, bool) or not isinstance(self.coverage, (int, float))
+                                          or not 0.0 < self.coverage <= 1.0):
+            raise ValueError(f"coverage must be None (split by q_frac) or a fraction in (0, 1] of the windows "
+                             f"(got {self.coverage!r})")
         if not (isinstance(self.prefill_window, int) and self.prefill_window >= 0):
             raise ValueError(f"prefill_window must be an integer >= 0, 0 = every prompt query "
                              f"(got {self.prefill_window!r})")
