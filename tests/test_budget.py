@@ -38,20 +38,26 @@ def walked_bytes(cache) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-@pytest.mark.parametrize("budget", [0.1, 0.2])
-def test_budget_holds_over_300_steps(kv_heads, budget):
-    model = tiny_model("llama", kv_heads)
-    prompt_len, new = 1200, 300
-    cache = make_cache("qevict", model, QEvictConfig(budget=budget), max_length=prompt_len + new)
-    lane = Lane("qevict", cache)
+def run_within_budget(method: str, model, budget: float, prompt_len: int = 1200, new: int = 300):
+    """Generates ``new`` tokens and checks after every step that the measured bytes stay within the budget and
+    equal a walk over the layers' tensors."""
+    cache = make_cache(method, model, QEvictConfig(budget=budget), max_length=prompt_len + new)
     steps = 0
-    for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [lane], Sampling(max_new_tokens=new)):
+    for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [Lane(method, cache)],
+                                Sampling(max_new_tokens=new)):
         if event.kind == "memory":
             steps += 1
             assert event.total_bytes <= cache.budget_bytes, f"step {event.step}: {event.total_bytes} > budget"
             assert event.total_bytes == walked_bytes(cache)
     assert steps == new
+    return cache
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_budget_holds_over_300_steps(kv_heads, budget):
+    model = tiny_model("llama", kv_heads)
+    cache = run_within_budget("qevict", model, budget)
     for tiers in cache.tier_counts():
         assert tiers["full"] > 0 and tiers["quantized"] > 0 and tiers["evicted"] > 0
     report = cache.memory_report()
@@ -60,6 +66,15 @@ def test_budget_holds_over_300_steps(kv_heads, budget):
     assert report["ratio"] <= budget * 1.001
     assert report["budget_ratio"] == pytest.approx(budget, rel=1e-6)
     assert sum(report["components"].values()) == report["total_bytes"]
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.3])
+def test_coverage_first_holds_the_budget_with_and_without_a_full_tier(budget):
+    cache = run_within_budget("qevict_cover", tiny_model("llama", 2), budget)
+    for tiers in cache.tier_counts():
+        assert tiers["quantized"] > 0 and tiers["evicted"] > 0
+        # At 10% INT4 windows for 70% of the sequence do not fit, so no full window is bought; at 30% they do.
+        assert (tiers["full"] > 0) == (budget == 0.3)
 
 
 def test_capacities_follow_eq3():
