@@ -127,7 +127,8 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
         k_full = math.floor((1 - cfg.q_frac) * hist / m_f)
         k_quant = math.floor(cfg.q_frac * hist / m_quant)
     else:
-        k_quant = min(math.ceil(cfg.coverage * num_windows), hist // m_quant)
+        # round() first: 0.7 * 250 must give 175 windows, not 176 from a product a hair above it.
+        k_quant = min(math.ceil(round(cfg.coverage * num_windows, 9)), hist // m_quant)
         k_full = (hist - k_quant * m_quant) // m_f
     if k_full + k_quant > num_windows:
         # Eq. 3 would reserve quantized slots no sequence of this length can fill: spend the surplus on full

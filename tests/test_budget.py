@@ -106,6 +106,8 @@ def test_coverage_sizes_the_low_bit_tier_first_and_buys_full_windows_with_the_re
         else:
             # Bytes for more than every window: the surplus goes to full precision, as with Eq. 3.
             assert plan.k_full + plan.k_quant == plan.num_windows and plan.k_full > 0
+    # 0.07 * 100 is 7.000000000000001 in floating point: still 7 windows, not 8.
+    assert plan_tiers(shape, config.replace(budget=0.2, coverage=0.07), 805).k_quant == 7
     # None keeps Eq. 3's split by q_frac.
     assert plan_tiers(shape, QEvictConfig(q_frac=0.85), length) == \
         plan_tiers(shape, QEvictConfig(q_frac=0.85, coverage=None), length)
