@@ -37,6 +37,8 @@ def request(prompt=LONG_PROMPT, methods=("fullkv", "snapkv", "qevict"), max_new=
     ("hi", ("magic",), {}, r"unknown method.*allowed:.*qevict"),
     ("hi", ("qevict",), {"q_frac": 2.0}, r"q \(quantized share\): .*less than or equal to 1 \(got 2.0\)"),
     ("hi", ("qevict",), {"bits": 3}, r"bits: .*must be one of \(2, 4\) \(got 3\)"),
+    ("hi", ("qevict",), {"coverage": 1.5}, r"coverage κ: .*less than or equal to 1 \(got 1.5\)"),
+    ("hi", ("qevict",), {"coverage": float("nan")}, "coverage κ: Input should be a finite number"),
     ("hi", ("qevict",), {"scorer": "nope"}, "scorer: .*must be one of"),
     ("hi", ("qevict",), {"budget": float("nan")}, r"KV budget: Input should be a finite number \(got nan\)"),
     ("hi", ("qevict",), {"budget": float("inf")}, "KV budget: Input should be a finite number"),
@@ -49,6 +51,20 @@ def request(prompt=LONG_PROMPT, methods=("fullkv", "snapkv", "qevict"), max_new=
 def test_bad_input_gives_readable_errors(prompt, methods, overrides, message):
     with pytest.raises(ValueError, match=message):
         request(prompt, methods, **overrides)
+
+
+def test_coverage_from_the_form_reaches_the_cache_and_the_stored_request(studio):
+    assert request().config.coverage is None  # 0, the slider's default: Eq. 3's split by q
+    final = list(studio.run(request(methods=("qevict",), coverage=0.7)))[-1]
+    assert final.status == "done"
+    stored = studio.store.get(final.session_id)["request"]["config"]
+    assert stored["coverage"] == 0.7
+    lane = final.view.lanes["qevict"]
+    assert lane.total_bytes <= lane.budget_bytes
+    by_q = list(studio.run(request(methods=("qevict",))))[-1].view.lanes["qevict"].summary
+    # At 30% of this short sequence INT2 windows for 70% of it fit with bytes to spare: fewer INT2 windows than
+    # q = 0.7's split, and the rest buys more full ones.
+    assert lane.summary["k_quant"] < by_q["k_quant"] and lane.summary["k_full"] > by_q["k_full"]
 
 
 def test_failures_before_the_run_save_nothing(studio):

@@ -21,7 +21,7 @@ NO_LANE = "(none)"
 MAX_NEW_TOKENS = 512
 LABELS = {
     "prompt": "Prompt", "lanes": "Lanes", "budget": "KV budget", "omega": "Ω (window)",
-    "q_frac": "q (quantized share)",
+    "q_frac": "q (quantized share)", "coverage": "coverage κ",
     "bits": "bits", "sinks": "sinks", "recent": "recent", "scorer": "scorer", "promotion": "promotion",
     "max_new_tokens": "Max new tokens", "temperature": "temperature", "seed": "seed", "layer": "layer",
     "expected": "Expected answer",
@@ -41,6 +41,7 @@ class RunForm(BaseModel):
     budget: Annotated[float, _number(0.01, 1.0)]
     omega: Annotated[int, Field(ge=1, le=64)]
     q_frac: Annotated[float, _number(0.0, 1.0)]
+    coverage: Annotated[float, _number(0.0, 1.0)] = 0.0  # 0: Eq. 3's split by q
     bits: int
     sinks: Annotated[int, Field(ge=0, le=64)]
     recent: Annotated[int, Field(ge=0, le=1024)]
@@ -94,19 +95,19 @@ class RunRequest:
 
 def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_frac: Any, bits: Any, sinks: Any,
                   recent: Any, scorer: Any, promotion: Any, max_new_tokens: Any, temperature: Any = 0.0,
-                  seed: Any = 0, expected: Any = "") -> RunRequest:
+                  seed: Any = 0, expected: Any = "", coverage: Any = 0.0) -> RunRequest:
     """Raw control values -> a request; ValueError naming the control, what is allowed and what was sent."""
     try:
         form = RunForm(prompt=prompt, lanes=list(methods), budget=budget, omega=omega, q_frac=q_frac, bits=bits,
                        sinks=sinks, recent=recent, scorer=scorer, promotion=promotion,
                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                       expected=expected if expected is not None else "")
+                       expected=expected if expected is not None else "", coverage=coverage)
     except ValidationError as err:
         raise ValueError(readable(err)) from None
     chosen = tuple(m for m in form.lanes if m and m != NO_LANE)
-    config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, bits=form.bits, sinks=form.sinks,
-                          recent=form.recent, scorer=form.scorer, promotion=form.promotion,
-                          record_events=True)
+    config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, coverage=form.coverage or None,
+                          bits=form.bits, sinks=form.sinks, recent=form.recent, scorer=form.scorer,
+                          promotion=form.promotion, record_events=True)
     sampling = Sampling(max_new_tokens=form.max_new_tokens, temperature=form.temperature, seed=form.seed)
     return RunRequest(form.prompt, chosen, config, sampling, form.expected.strip())
 

@@ -116,6 +116,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
                                                   "interval, tokens (1–64)")
                                 q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
                                                    label="q: share of the history budget in low bits (0–1)")
+                                coverage = FormSlider(0.0, 1.0, value=0.0, step=0.05, elem_id="coverage",
+                                                      label="coverage κ: share of the windows the low-bit tier is "
+                                                            "sized for first (0 = split by q)")
                             with gr.Row():
                                 bits = gr.Radio([2, 4], value=DEFAULTS.bits, label="low-bit tier: bits")
                                 scorer = gr.Dropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer,
@@ -180,7 +183,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         example.change(pick_example, example, [prompt, expected], api_visibility="private")
         run_inputs = [prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                      max_new, temperature, seed, layer, expected, head]
+                      max_new, temperature, seed, layer, expected, head, coverage]
         view_outputs = [lanes_out, stats, memory, tier_plot, heat_plot, moves, prompt_view]
         new_ref = gr.State(None)  # the run's {id, token}, handed to the browser's list (not part of the API)
         run_outputs = [status, *view_outputs, share, new_ref]
@@ -192,7 +195,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         @GPU(duration=300)
         def generate(prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                     max_new_tokens, temperature, seed, layer, expected="", head=0, request: gr.Request = None):
+                     max_new_tokens, temperature, seed, layer, expected="", head=0, coverage=0.0,
+                     request: gr.Request = None):
             """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats table, bytes plot, tier
             map, score heatmap, routing moves, prompt by tier, share link). Lanes are method names from
             `qevict_core.list_methods()` or "(none)". A refused request returns the reason in ``status``."""
@@ -203,7 +207,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
                 return
             try:
                 req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent,
-                                    scorer, promotion, max_new_tokens, temperature, seed, expected)
+                                    scorer, promotion, max_new_tokens, temperature, seed, expected, coverage)
                 shown = picker_index(layer, layers, "layer"), picker_index(head, heads, "head")
                 for update in studio.run(req, flag.is_set):
                     tabs_state.live[key] = update.view
