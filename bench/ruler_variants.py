@@ -3,9 +3,11 @@
     python -m bench.ruler_variants --variants '{"int4": {"bits": 4}, "int4_q85": {"bits": 4, "q_frac": 0.85}}' \\
         --budget 0.1 --length 2048 --out bench/results/ruler_variants/int4_10pct.jsonl
 
-``bench.ruler`` compares registered methods; this compares configurations of one method (``QEvictCache``), each
-variant a set of ``QEvictConfig`` fields over ``QEvictConfig(budget=--budget)``, plus a FullKV lane. All lanes of a
-sample share its prefill. One JSON line per (variant, task, sample); the averages are printed at the end.
+``bench.ruler`` compares registered methods; this compares configurations of QEvict, each variant a set of
+``QEvictConfig`` fields over ``QEvictConfig(budget=--budget)``, plus a FullKV lane. A variant with
+``"per_head": β`` routes every KV head on its own (``HeadwiseQEvictCache``, ``qevict_head``'s cache, β its blend
+with the layer's ranking); the others route per layer (``QEvictCache``). All lanes of a sample share its prefill.
+One JSON line per (variant, task, sample); the averages are printed at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from qevict_core import Lane, QEvictConfig, make_cache
 from qevict_core.cache import QEvictCache
+from qevict_core.head_cache import HeadwiseQEvictCache
 
 from .common import add_model_args, append_jsonl, default_device, parse_shard, read_jsonl, setup
 from .ruler import decode_until_answered, sized_sample
@@ -26,11 +29,19 @@ from .ruler_tasks import DEFAULT_TASKS, TASKS, string_match_all
 
 def configs(variants: dict, budget: float) -> dict[str, QEvictConfig]:
     base = QEvictConfig(budget=budget).to_dict()
-    return {name: QEvictConfig.from_dict({**base, **fields}) for name, fields in variants.items()}
+    return {name: QEvictConfig.from_dict({**base, **{k: v for k, v in fields.items() if k != "per_head"}})
+            for name, fields in variants.items()}
+
+
+def build(model, config: QEvictConfig, max_length: int, per_head: float | None):
+    if per_head is None:
+        return QEvictCache(model, config, max_length)
+    return HeadwiseQEvictCache(model, config, max_length, shared=per_head)
 
 
 def run(args) -> None:
-    variants = configs(json.loads(args.variants), args.budget)
+    fields = json.loads(args.variants)
+    variants = configs(fields, args.budget)
     tasks = list(DEFAULT_TASKS) if args.tasks == "default" else args.tasks.split(",")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -43,12 +54,14 @@ def run(args) -> None:
         sample, ids = sized_sample(tokenizer, task, args.length, seed, None, "auto")
         max_length = ids.shape[1] + sample.max_new_tokens
         lanes = {"fullkv": Lane("fullkv", make_cache("fullkv", model, QEvictConfig(budget=1.0), max_length))}
-        lanes.update({name: Lane(name, QEvictCache(model, cfg, max_length)) for name, cfg in variants.items()})
+        lanes.update({name: Lane(name, build(model, cfg, max_length, fields[name].get("per_head")))
+                      for name, cfg in variants.items()})
         decode_until_answered(model, tokenizer, ids, list(lanes.values()), sample)
         for name, lane in lanes.items():
             summary = lane.cache.summary()
             append_jsonl(Path(args.out), {
                 "variant": name, "config": variants[name].to_dict() if name in variants else None,
+                "per_head": fields[name].get("per_head") if name in variants else None,
                 "task": task, "length": args.length, "sample": sample_idx, "seed": seed,
                 "score": string_match_all(lane.text, sample.answers), "prediction": lane.text[:200],
                 "kv_ratio": lane.cache.memory_report()["ratio"], "k_full": summary.get("k_full"),

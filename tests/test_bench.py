@@ -76,14 +76,19 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
 def test_ruler_variants_run_each_config_beside_fullkv_and_refuse_unknown_fields(tmp_path, capsys):
     out = tmp_path / "variants.jsonl"
     common = ["--model", "tiny", "--budget", "0.3", "--length", "1024", "--tasks", "niah_single_1", "--samples", "2",
-              "--out", str(out), "--variants", '{"int4": {"bits": 4}, "q90": {"q_frac": 0.9}}']
+              "--out", str(out), "--variants", '{"int4": {"bits": 4}, "q90": {"q_frac": 0.9}, '
+              '"head": {"bits": 4, "per_head": 0.5}}']
     ruler_variants.main(common + ["--shard", "0/2"])
     ruler_variants.main(common + ["--shard", "1/2"])
     rows = read_jsonl([out])
     assert sorted((r["variant"], r["sample"]) for r in rows) == sorted(
-        (v, s) for v in ("fullkv", "int4", "q90") for s in (0, 1))
+        (v, s) for v in ("fullkv", "int4", "q90", "head") for s in (0, 1))
     config = {r["variant"]: r["config"] for r in rows}
     assert config["int4"]["bits"] == 4 and config["q90"]["q_frac"] == 0.9 and config["fullkv"] is None
+    assert config["head"]["bits"] == 4 and {r["variant"]: r["per_head"] for r in rows}["head"] == 0.5
+    # Routed per head, its capacities count one head's windows, not the layer's.
+    k_quant = {r["variant"]: r["k_quant"] for r in rows}
+    assert 0 < k_quant["head"] and k_quant["head"] != k_quant["int4"]
     assert all(c["budget"] == 0.3 for v, c in config.items() if c)
     assert "(2 samples)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown config keys"):
