@@ -66,6 +66,6 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def assemble_reference(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],
                        rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The path ``assemble`` replaced: unpack with shifts, rotate with the rotary module, concatenate."""
-    quant_keys, quant_values = ledger.dequantize_reference()
+    quant_keys, quant_values = ledger.dequantize_reference(fp_keys[0].dtype)  # narrower pairs widen to it
     keys = torch.cat([rope.rotate(quant_keys, positions), *fp_keys], dim=2)
     return keys, torch.cat([quant_values, *fp_values], dim=2)

@@ -25,11 +25,12 @@ def layer_parts(layer):
     return [layer.sink_k, layer.full_k, layer.recent_k], [layer.sink_v, layer.full_v, layer.recent_v]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, "model"), (torch.bfloat16, "model"),
+                                                (torch.float32, "float16")])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, bits):
+def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bits):
     model = tiny_model("qwen2", 2).to(dtype)
-    config = QEvictConfig(budget=0.2, bits=bits, sinks=4, recent=16)
+    config = QEvictConfig(budget=0.2, bits=bits, sinks=4, recent=16, scale_dtype=scale_dtype)
     cache = make_cache("qevict", model, config, max_length=460)
     checked = 0
     with torch.inference_mode():
