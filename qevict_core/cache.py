@@ -298,7 +298,7 @@ class QEvictLayer(ReportingLayer):
         return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
 
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
-        return self.owner.scorer.ranking(self.scores).gather(1, cand_ids.long())
+        return self.owner.scorer.rank(self.scores).gather(1, cand_ids.long())
 
     def _event(self, old, aged: list[int]) -> RoutingEvent:
         old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())

@@ -37,6 +37,10 @@ class QEvictConfig:
                   window's bytes at Ω = 8 (docs/engine.md); codes are computed (in float32 at least) against the
                   stored, rounded pair, so the error bound stays half a step.
     scorer:       window ranking function (Appendix J): cumulative, decay, pnorm or keynorm.
+    pool:         neighbour pooling radius r, in windows: a window ranks by the largest score within r windows of
+                  it (its own first on ties), as SnapKV and AdaKV pool attention over neighbouring tokens, so a
+                  kept window keeps the text that continues it. 0 = the scorer's ranking as it is (Eq. 1).
+                  Attention scorers only (keynorm's scores are not masses).
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
     prefill_window: a forward of more tokens than this (the prompt) scores windows with its last
                   ``prefill_window`` queries only, an observation window as in SnapKV; 0 = every query (the
@@ -64,6 +68,7 @@ class QEvictConfig:
     bits: int = 2
     scale_dtype: str = "model"
     scorer: str = "cumulative"
+    pool: int = 0
     promotion: bool = True
     prefill_window: int = 32
     decay: float = 0.99
@@ -115,6 +120,11 @@ class QEvictConfig:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES} (got {self.scale_dtype!r})")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS} (got {self.scorer!r})")
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 0:
+            raise ValueError(f"pool must be an integer number of windows >= 0, 0 = no pooling (got {self.pool!r})")
+        if self.pool and self.scorer == "keynorm":
+            raise ValueError(f"pool needs an attention scorer (cumulative, decay or pnorm), not keynorm, whose "
+                             f"scores are not attention masses (got pool={self.pool!r})")
         if self.kernels not in KERNEL_SETTINGS:
             raise ValueError(f"kernels must be one of {KERNEL_SETTINGS} (got {self.kernels!r})")
         if not 0.0 < self.decay <= 1.0:

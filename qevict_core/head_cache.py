@@ -208,7 +208,7 @@ class HeadwiseQEvictCache(QEvictCache):
         ranks every head alike, which makes exactly QEvict's per-layer decisions."""
         if not self.shared:
             return
-        own = self.scorer.ranking(table)  # (H, W): the layer's stacked table, a head per row
+        own = self.scorer.rank(table)  # (H, W): the layer's stacked table, a head per row
         blended = own * (1 - self.shared) + own.mean(dim=0, keepdim=True) * self.shared
         for h, head in enumerate(heads):
             head.rank_table = blended[h:h + 1]

@@ -5,7 +5,8 @@ see ``u_t(w)``, the attention mass a window received from the queries since the 
 one step at a time: ``fold`` adds a step's mass as it runs, ``settle`` finishes the table before a routing event
 ranks it and ``carry`` prepares it for the next interval. Only a scorer that transforms a whole interval's mass
 (``keeps_interval``, Eq. 23's power) needs that mass apart from the table until the event: a second (B, W) table,
-charged to the budget like the first. ``ranking`` turns the table into the key that routing sorts by.
+charged to the budget like the first. ``ranking`` turns the table into the key that routing sorts by, and ``rank``
+pools that key over neighbouring windows when the config asks for it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ import torch
 from .config import QEvictConfig
 
 
+# A neighbour ranks just below the window it borrows from, so the window itself still comes first.
+POOL_TIE = 1e-3
+
+
 @dataclass
 class Scorer:
     needs_attention = True
     keeps_interval = False
+    pool: int = 0
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
@@ -38,6 +44,16 @@ class Scorer:
 
     def ranking(self, table: torch.Tensor) -> torch.Tensor:
         return table
+
+    def rank(self, table: torch.Tensor) -> torch.Tensor:
+        """The key routing sorts by, (..., W): ``ranking``, pooled over ``pool`` windows on either side."""
+        key = self.ranking(table)
+        if not self.pool:
+            return key
+        width = 2 * self.pool + 1
+        flat = key.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
+        near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
+        return torch.maximum(key, near * (1 - POOL_TIE))
 
 
 @dataclass
@@ -92,8 +108,8 @@ class KeyNormScorer(Scorer):
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
     return {
-        "cumulative": lambda: CumulativeScorer(),
-        "decay": lambda: DecayScorer(cfg.decay),
-        "pnorm": lambda: PNormScorer(cfg.p),
+        "cumulative": lambda: CumulativeScorer(pool=cfg.pool),
+        "decay": lambda: DecayScorer(pool=cfg.pool, decay=cfg.decay),
+        "pnorm": lambda: PNormScorer(pool=cfg.pool, p=cfg.p),
         "keynorm": lambda: KeyNormScorer(),
     }[cfg.scorer]()

@@ -25,6 +25,10 @@ from tests.conftest import tiny_model
     ({"coverage": 1.2}, r"coverage must be None .* or a fraction in \(0, 1\]"),
     ({"coverage": float("nan")}, r"coverage must be None .* or a fraction in \(0, 1\]"),
     ({"coverage": True}, r"coverage must be None .* or a fraction in \(0, 1\]"),
+    ({"pool": -1}, r"pool must be an integer number of windows >= 0"),
+    ({"pool": 1.5}, r"pool must be an integer number of windows >= 0"),
+    ({"pool": True}, r"pool must be an integer number of windows >= 0"),
+    ({"pool": 1, "scorer": "keynorm"}, r"pool needs an attention scorer \(cumulative, decay or pnorm\)"),
     ({"budget": "0.2"}, "budget must be a finite number"),
     ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
 ])

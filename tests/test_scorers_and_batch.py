@@ -87,3 +87,21 @@ def test_a_padded_batch_is_refused_not_attended_to(method):
     cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False)
     assert torch.equal(out[0], out[1])
+
+
+def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
+    """Hand-built table: windows 2 and 6 peak; with r = 1 each peak's neighbours rank just below it (above the
+    lower peak too) and above every window far from a peak, whose order stays the table's."""
+    from qevict_core.scorers import make_scorer
+    table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
+    plain = make_scorer(QEvictConfig()).rank(table)
+    assert torch.equal(plain, table)
+    pooled = make_scorer(QEvictConfig(pool=1)).rank(table)
+    order = pooled[0].argsort(descending=True, stable=True).tolist()
+    assert order == [2, 1, 3, 6, 5, 7, 4, 0]  # a peak before the neighbours that borrow its score; 4, 0: their own
+    assert pooled[0, 1] < table[0, 2] and pooled[0, 1] == pytest.approx(5.0 * (1 - 1e-3))
+    # r = 2 reaches two windows out; pooling never lowers a window's own key (pnorm's root included).
+    wide = make_scorer(QEvictConfig(pool=2, scorer="pnorm", p=2.0))
+    key = wide.rank(table)
+    assert torch.all(key >= wide.ranking(table))
+    assert key[0, 0] == pytest.approx(5.0 ** 0.5 * (1 - 1e-3))
