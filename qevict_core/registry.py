@@ -15,7 +15,7 @@ from .cache_base import ReportingCache
 from .config import QEvictConfig
 from .eviction import EvictionCache
 from .fullkv import FullKVCache
-from .head_cache import HeadwiseQEvictCache
+from .head_cache import SHARED, HeadwiseQEvictCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
 from .padded import RowCache
@@ -59,9 +59,9 @@ def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[...
     return build
 
 
-def _qevict_head(name: str, **options) -> Callable[..., ReportingCache]:
+def _qevict_head(name: str, shared: float = SHARED, **overrides) -> Callable[..., ReportingCache]:
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
-        cache = HeadwiseQEvictCache(model, config, max_length, batch_size, **options)
+        cache = HeadwiseQEvictCache(model, config.replace(**overrides), max_length, batch_size, shared=shared)
         cache.method = name
         return cache
     return build
@@ -110,13 +110,20 @@ METHODS: dict[str, MethodSpec] = {
                                "windows (all of the historical bytes where it cannot) and only the bytes left over "
                                "buy full windows; q is not used.", "arXiv 2608.05326, Eq. 3 and App. G; see "
                                "docs/engine.md", "qevict"),
-    "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
-                              "its query group's attention blended with the layer's (β = 0.5), and each routing event "
-                              "splits the layer's full and low-bit slots over heads AdaKV-style (floor α = 0.2).",
+    "qevict_pool": MethodSpec(_qevict("qevict_pool", pool=1), "QEvict with neighbour pooling: a window ranks by the "
+                              "largest score of itself and its two neighbours (pool = 1), as SnapKV and AdaKV pool "
+                              "attention; routed per layer (qevict_head's control).",
+                              "arXiv 2608.05326 + SnapKV's pooling; see docs/engine.md", "qevict"),
+    "qevict_head": MethodSpec(_qevict_head("qevict_head", pool=1), "QEvict routed per KV head: each head ranks "
+                              "windows by its query group's attention blended with the layer's (β = 0.5), pooled over "
+                              "neighbouring windows (pool = 1), and each routing event splits the layer's full and "
+                              "low-bit slots over heads AdaKV-style (floor α = 0.2).",
                               "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); see qevict_core/head_cache.py", "qevict"),
+    "qevict_head_nopool": MethodSpec(_qevict_head("qevict_head_nopool"), "qevict_head ablation without pooling "
+                                     "(pool = 0): its form before pooling.", "qevict_core/head_cache.py", "qevict"),
     "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", shared=0.0), "qevict_head ablation: each head "
-                                  "ranks by its own query group's attention alone (β = 0).",
-                                  "qevict_core/head_cache.py", "qevict"),
+                                  "ranks by its own query group's attention alone (β = 0), without pooling (its first "
+                                  "form).", "qevict_core/head_cache.py", "qevict"),
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
                                  "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),

@@ -47,7 +47,7 @@ def test_identical_heads_route_exactly_as_one_layer():
     model = identical_heads(tiny_model("llama", 2))
     prompt, new = random_prompt(400), 60
     config = QEvictConfig(budget=0.5, k_full=6, k_quant=12, record_events=True)
-    lanes = [Lane(m, make_cache(m, model, config, max_length=400 + new)) for m in ("qevict", "qevict_head")]
+    lanes = [Lane(m, make_cache(m, model, config, max_length=400 + new)) for m in ("qevict_pool", "qevict_head")]
     layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [lane], Sampling(max_new_tokens=new))
                               if e.kind == "routing"] for lane in lanes)
     assert len(head_wise) == 2 * len(layer_wise) > 0
@@ -60,24 +60,28 @@ def test_identical_heads_route_exactly_as_one_layer():
 
 
 def test_each_head_keeps_the_windows_its_own_group_attends_to():
-    """Group 0 attends to windows 3 and 4, group 1 to window 9; K_f = 2 windows per head. Per layer, the three
-    windows compete for two slots; per head, each head keeps its own."""
+    """Group 0 attends to windows 3 and 4, group 1 to window 9; K_f = K_q = 2 windows per head. Per layer, the three
+    windows compete for two full slots; per head, each head keeps its own. With pooling (qevict_head) head 0's
+    neighbours of 3 and 4 outrank window 9 in the split of full slots, and head 1 keeps 9 in its low-bit tier."""
     model = tiny_model("llama", 2)
     n_prompt = SINKS + 12 * OMEGA + RECENT
     keys = keys_for(range(n_prompt))
     toward = [window_direction(3) + window_direction(4), window_direction(9) * 2]
     query = torch.stack([toward[h // 2] * 6.0 for h in range(4)])[None, :, None].expand(1, 4, n_prompt, -1)
     config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, prefill_window=0, record_events=True)
-    full = {}
-    for method in ("qevict", "qevict_head"):
+    full, kept = {}, {}
+    for method in ("qevict", "qevict_head_nopool", "qevict_head"):
         cache = make_cache(method, model, config, max_length=400)
         cache.plan = dataclasses.replace(cache.plan, k_full=2, k_quant=2, keeps_dormant=True, uncompressed=False)
         module = model.model.layers[0].self_attn
         k, v = cache.update(keys, torch.randn(1, 2, n_prompt, keys.shape[-1]), 0)
         qevict_attention(module, query.contiguous(), k, v, None, scaling=module.scaling)
-        full[method] = [set(e.full) for e in cache.drain_events()]
-    assert full["qevict_head"][0] == {3, 4} and 9 in full["qevict_head"][1]
+        events = cache.drain_events()
+        full[method] = [set(e.full) for e in events]
+        kept[method] = [set(e.full) | set(e.quantized) for e in events]
+    assert full["qevict_head_nopool"][0] == {3, 4} and 9 in full["qevict_head_nopool"][1]
     assert not {3, 4, 9} <= full["qevict"][0]
+    assert {3, 4} <= full["qevict_head"][0] and 9 in kept["qevict_head"][1]
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
