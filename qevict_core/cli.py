@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--scale-dtype", default=DEFAULTS.scale_dtype,
                      help=f"storage of the low-bit tier's scales and zero-points, one of {SCALE_DTYPES}")
     gen.add_argument("--scorer", default=DEFAULTS.scorer, help=f"one of {SCORERS}")
+    gen.add_argument("--pool", type=int, default=DEFAULTS.pool,
+                     help="rank a window by the largest score within this many windows of it (0 = no pooling; "
+                          "qevict_head and qevict_pool set 1)")
     gen.add_argument("--no-promotion", action="store_true", help="one-way Full -> Quantized -> Evicted")
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="read the prompt in chunks of this many tokens (bounds prefill memory; fullkv and the "
@@ -70,7 +73,7 @@ def run_generate(args) -> dict:
 
     config = QEvictConfig(budget=args.budget, omega=args.omega, sinks=args.sinks, recent=args.recent,
                           q_frac=args.q_frac, coverage=args.coverage, bits=args.bits, scale_dtype=args.scale_dtype,
-                          scorer=args.scorer, promotion=not args.no_promotion)
+                          scorer=args.scorer, pool=args.pool, promotion=not args.no_promotion)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     if not text.strip():

@@ -8,7 +8,10 @@ so a head holding more windows than another really holds more bytes, and less is
 Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking + β·the mean of the layer's heads'
 (β = ``shared``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
 a head keeps only what its own group attended to while scoring, and on RULER-style retrieval at 5% the copy heads
-then lost the needle's later digits (docs/engine.md has the measurement).
+then lost the needle's later digits (docs/engine.md has the measurement). The registered ``qevict_head`` also pools
+the ranking over neighbouring windows (``QEvictConfig.pool = 1``, applied by the scorer before the blend), so a head
+that keeps a needle's window keeps the window that continues it; without pooling per-head routing lost to
+per-layer routing on this model's retrieval prompts, with it it wins (docs/engine.md).
 
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's

@@ -58,7 +58,7 @@ def test_cli_json_output_parses(tmp_path):
     prompt.write_text(AUSTEN.read_text()[:3000] + "\n\nWho is Mr. Bennet?")
     done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt-file", str(prompt),
                            "--budget", "0.3", "--max-new-tokens", "12", "--bits", "4", "--scale-dtype", "float16",
-                           "--coverage", "0.7", "--json"],
+                           "--coverage", "0.7", "--pool", "1", "--json"],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -83,6 +83,10 @@ def test_cli_reports_bad_budget_readably(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2
     assert "coverage must be None (split by q_frac) or a fraction in (0, 1]" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--pool", "-1"],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2
+    assert "pool must be an integer number of windows >= 0, 0 = no pooling" in done.stderr
 
 
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
