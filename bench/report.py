@@ -1,5 +1,7 @@
 """Tables and plots from benchmark JSONL: markdown tables, Pareto plots (PNG + interactive HTML), the FMM curve and
-the tier-mass chart. ``python -m bench.report`` re-renders everything under bench/results/."""
+the tier-mass chart. ``python -m bench.report`` re-renders the table and Pareto plot of every RULER folder
+(``ruler-*.jsonl``) and fidelity folder (``fidelity.jsonl``) under bench/results/; the other benchmarks render their
+own tables when they run."""
 
 from __future__ import annotations
 
@@ -149,11 +151,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args(argv)
-    root = Path(args.results)
-    if list((root / "ruler").glob("ruler-*.jsonl")):
-        print(ruler_report(read_jsonl(sorted((root / "ruler").glob("ruler-*.jsonl"))), root / "ruler"))
-    if (root / "fidelity" / "fidelity.jsonl").exists():
-        print(fidelity_report(read_jsonl([root / "fidelity" / "fidelity.jsonl"]), root / "fidelity"))
+    for folder in sorted(path for path in Path(args.results).iterdir() if path.is_dir()):
+        if shards := sorted(folder.glob("ruler-*.jsonl")):
+            print(ruler_report(read_jsonl(shards), folder))
+        if (folder / "fidelity.jsonl").exists():
+            print(fidelity_report(read_jsonl([folder / "fidelity.jsonl"]), folder))
 
 
 if __name__ == "__main__":

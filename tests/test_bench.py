@@ -161,6 +161,24 @@ def test_t_interval_follows_its_definition():
     assert interval([0.5]) == "0.500" and interval([]) == "—"
 
 
+def test_report_renders_every_fidelity_folder(tmp_path):
+    from bench import report
+
+    def row(method, budget, kl, passage):
+        return {"method": method, "budget": budget, "kl": kl, "top1": 1 - kl, "ppl": 30 + kl, "ppl_fullkv": 30.0,
+                "kv_ratio": budget or 1.0, "passage": passage}
+
+    for folder, kl in (("fidelity", 0.25), ("fidelity_other", 0.5)):
+        (tmp_path / folder).mkdir()
+        rows = [row("fullkv", None, 0.0, 0), row("qevict", 0.1, kl, 0)]
+        (tmp_path / folder / "fidelity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "speed").mkdir()  # a folder with neither kind of JSONL is left alone
+    report.main(["--results", str(tmp_path)])
+    assert "| qevict @10% | 0.100 | — | 1 | 0.2500 |" in (tmp_path / "fidelity" / "fidelity_table.md").read_text()
+    assert "| qevict @10% | 0.100 | — | 1 | 0.5000 |" in (tmp_path / "fidelity_other" / "fidelity_table.md").read_text()
+    assert list((tmp_path / "speed").iterdir()) == []
+
+
 def test_drift_bins_per_passage_and_resumes(tmp_path):
     args = ["--model", "tiny", "--methods", "fullkv,streamingllm,qevict", "--budgets", "0.25", "--prefill", "300",
             "--steps", "64", "--passages", "2", "--bin", "16", "--out", str(tmp_path)]
