@@ -22,6 +22,36 @@ def split_chunk(spec: str) -> tuple[str, int | None]:
     return name, int(chunk) if slash else None
 
 
+def split_overrides(spec: str) -> tuple[str, dict]:
+    """A lane name ``method[+field=value...]`` -> (method, QEvictConfig fields to change for it), values read as
+    JSON (``qevict_head+pool_weight=0.5``), so one run can set a method beside its variants on the same passages."""
+    from qevict_core import QEvictConfig
+
+    name, *changes = spec.split("+")
+    fields = {}
+    for change in changes:
+        field, equals, text = change.partition("=")
+        if not (equals and field and text):
+            raise ValueError(f"{spec!r}: each change after '+' must be field=value (got {change!r})")
+        try:
+            fields[field] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[field] = text
+    QEvictConfig.from_dict(fields)  # unknown fields and bad values fail here, with what is allowed
+    return name, fields
+
+
+def check_overrides(cache, spec: str, fields: dict) -> None:
+    """A registered method may fix a field (qevict_head fixes pool = 1): a lane that asks otherwise is refused
+    rather than silently measuring something else."""
+    config = getattr(cache, "config", None)
+    if fields and config is None:
+        raise ValueError(f"{spec!r}: {cache.method} takes no QEvictConfig fields")
+    for field, value in fields.items():
+        if getattr(config, field) != value:
+            raise ValueError(f"{spec!r}: {cache.method} fixes {field} = {getattr(config, field)!r}")
+
+
 def setup(model_name: str | None, device: str | None, threads: int | None, dtype: str | None = None):
     """Pin threads (shared machines are noisy: say how many), load the model; -> (model, tokenizer, meta).
 

@@ -3,6 +3,7 @@
     python -m bench.fidelity --methods fullkv,streamingllm,snapkv,h2o,adakv,defensivekv,kivi2,qevict \\
         --budgets 0.05,0.1,0.2 --prefill 2048 --steps 256 --passages 5 --out bench/results/fidelity
     python -m bench.fidelity --methods qevict,qevict/256 ...   # the prompt read in chunks of 256 (prefill.py)
+    python -m bench.fidelity --methods qevict_head,qevict_head+pool_weight=0.5 ...   # a config field changed
 
 Each passage of a natural text (Austen, ``--spacing`` sentences apart) is prefilled, then its next ``steps`` tokens
 are fed one at a time through every cache. At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
@@ -25,7 +26,8 @@ from qevict_core.prefill import prefill as read_prompt
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
-from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup, split_chunk
+from .common import (RESULTS, add_model_args, append_jsonl, check_overrides, method_lanes, read_jsonl, setup,
+                     split_chunk, split_overrides)
 from .ruler_tasks import essay_sentences
 
 
@@ -53,9 +55,11 @@ def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, fl
     share one prefill with the FullKV reference."""
     steps = tokens.shape[1] - prefill
     specs = [split_chunk(m) for m, _ in lanes]
-    caches = [make_cache(name, model, QEvictConfig(budget=b or 1.0), max_length=tokens.shape[1])
-              for (name, _), (_, b) in zip(specs, lanes)]
-    for cache, (_, chunk) in zip(caches, specs):
+    variants = [split_overrides(name) for name, _ in specs]
+    caches = [make_cache(name, model, QEvictConfig(budget=b or 1.0, **fields), max_length=tokens.shape[1])
+              for (name, fields), (_, b) in zip(variants, lanes)]
+    for cache, (spec, _), (_, fields), (_, chunk) in zip(caches, lanes, variants, specs):
+        check_overrides(cache, spec, fields)
         check_chunk(cache, chunk)
     everyone = [make_cache("fullkv", model, None, max_length=tokens.shape[1])] + caches  # row 0: the reference
     forward_lanes(model, tokens[:, :prefill], everyone[:1] + [c for c, (_, k) in zip(caches, specs) if k is None])
@@ -107,7 +111,7 @@ def main(argv=None) -> None:
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     budgets = [float(b) for b in args.budgets.split(",")]
     lanes = [(spec, b) for spec in (m.strip() for m in args.methods.split(","))
-             for _, b in method_lanes([split_chunk(spec)[0]], budgets)]
+             for _, b in method_lanes([split_overrides(split_chunk(spec)[0])[0]], budgets)]
     out = Path(args.out)
     path = out / "fidelity.jsonl"
     # Resumable: a passage (by its offset) already in the file is not run again.

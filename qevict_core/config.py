@@ -41,6 +41,10 @@ class QEvictConfig:
                   it (its own first on ties), as SnapKV and AdaKV pool attention over neighbouring tokens, so a
                   kept window keeps the text that continues it. 0 = the scorer's ranking as it is (Eq. 1).
                   Attention scorers only (keynorm's scores are not masses).
+    pool_weight:  γ in (0, 1], what a neighbour's score counts for in pooling: a window ranks by
+                  max(s(w), γ·max of its neighbourhood). 1 ranks a neighbour just below the peak it borrows from;
+                  a smaller γ lets a neighbour of a strong peak in, and one of a weak peak compete with other
+                  windows. Read only when ``pool`` > 0.
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
     prefill_window: a forward of more tokens than this (the prompt) scores windows with its last
                   ``prefill_window`` queries only, an observation window as in SnapKV; 0 = every query (the
@@ -69,6 +73,7 @@ class QEvictConfig:
     scale_dtype: str = "model"
     scorer: str = "cumulative"
     pool: int = 0
+    pool_weight: float = 1.0
     promotion: bool = True
     prefill_window: int = 32
     decay: float = 0.99
@@ -125,6 +130,10 @@ class QEvictConfig:
         if self.pool and self.scorer == "keynorm":
             raise ValueError(f"pool needs an attention scorer (cumulative, decay or pnorm), not keynorm, whose "
                              f"scores are not attention masses (got pool={self.pool!r})")
+        if (isinstance(self.pool_weight, bool) or not isinstance(self.pool_weight, (int, float))
+                or not 0.0 < self.pool_weight <= 1.0):
+            raise ValueError(f"pool_weight must be a fraction in (0, 1], what a neighbour's score counts for in "
+                             f"pooling (got {self.pool_weight!r})")
         if self.kernels not in KERNEL_SETTINGS:
             raise ValueError(f"kernels must be one of {KERNEL_SETTINGS} (got {self.kernels!r})")
         if not 0.0 < self.decay <= 1.0:

@@ -27,6 +27,7 @@ class Scorer:
     needs_attention = True
     keeps_interval = False
     pool: int = 0
+    pool_weight: float = 1.0
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
@@ -46,14 +47,15 @@ class Scorer:
         return table
 
     def rank(self, table: torch.Tensor) -> torch.Tensor:
-        """The key routing sorts by, (..., W): ``ranking``, pooled over ``pool`` windows on either side."""
+        """The key routing sorts by, (..., W): ``ranking``, pooled over ``pool`` windows on either side, a
+        neighbour's key weighted by ``pool_weight`` (γ): max(key(w), γ·(1 - POOL_TIE)·max_{|v-w|<=r} key(v))."""
         key = self.ranking(table)
         if not self.pool:
             return key
         width = 2 * self.pool + 1
         flat = key.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
         near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
-        return torch.maximum(key, near * (1 - POOL_TIE))
+        return torch.maximum(key, near * (self.pool_weight * (1 - POOL_TIE)))
 
 
 @dataclass
@@ -108,8 +110,8 @@ class KeyNormScorer(Scorer):
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
     return {
-        "cumulative": lambda: CumulativeScorer(pool=cfg.pool),
-        "decay": lambda: DecayScorer(pool=cfg.pool, decay=cfg.decay),
-        "pnorm": lambda: PNormScorer(pool=cfg.pool, p=cfg.p),
+        "cumulative": lambda: CumulativeScorer(pool=cfg.pool, pool_weight=cfg.pool_weight),
+        "decay": lambda: DecayScorer(pool=cfg.pool, pool_weight=cfg.pool_weight, decay=cfg.decay),
+        "pnorm": lambda: PNormScorer(pool=cfg.pool, pool_weight=cfg.pool_weight, p=cfg.p),
         "keynorm": lambda: KeyNormScorer(),
     }[cfg.scorer]()

@@ -153,6 +153,24 @@ def test_fidelity_of_a_prompt_read_in_chunks():
         fidelity.measure(model, tokens, 400, [("snapkv/96", 0.3)])
 
 
+def test_fidelity_lane_with_a_config_field_changed():
+    """``method+field=value`` runs the method with that field set; a field the method fixes, an unknown field and a
+    method that takes no config are refused with what went wrong."""
+    from qevict_core.testing import tiny_model
+
+    model = tiny_model("llama", 2)
+    tokens = torch.randint(0, 256, (1, 412), generator=torch.Generator().manual_seed(3))
+    lanes = [("qevict", 0.3), ("qevict+bits=4", 0.3)]
+    rows = {r["method"]: r for r in fidelity.measure(model, tokens, 400, lanes)}
+    assert rows["qevict+bits=4"]["k_quant"] < rows["qevict"]["k_quant"]  # INT4 windows cost more bytes each
+    assert rows["qevict+bits=4"]["kl"] != rows["qevict"]["kl"]
+    for spec, message in (("qevict_head+pool=2", "qevict_head fixes pool = 1"),
+                          ("qevict+colour=1", "unknown config keys"), ("qevict+pool", "must be field=value"),
+                          ("kivi2+bits=4", "fixes bits = 2|takes no")):
+        with pytest.raises(ValueError, match=message):
+            fidelity.measure(model, tokens, 400, [(spec, 0.3)])
+
+
 def test_t_interval_follows_its_definition():
     from bench.report import interval
 

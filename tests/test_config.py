@@ -29,6 +29,10 @@ from tests.conftest import tiny_model
     ({"pool": 1.5}, r"pool must be an integer number of windows >= 0"),
     ({"pool": True}, r"pool must be an integer number of windows >= 0"),
     ({"pool": 1, "scorer": "keynorm"}, r"pool needs an attention scorer \(cumulative, decay or pnorm\)"),
+    ({"pool_weight": 0.0}, r"pool_weight must be a fraction in \(0, 1\]"),
+    ({"pool_weight": 1.5}, r"pool_weight must be a fraction in \(0, 1\]"),
+    ({"pool_weight": float("nan")}, r"pool_weight must be a fraction in \(0, 1\]"),
+    ({"pool_weight": True}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"budget": "0.2"}, "budget must be a finite number"),
     ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
 ])

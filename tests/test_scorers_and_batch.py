@@ -105,3 +105,17 @@ def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
     key = wide.rank(table)
     assert torch.all(key >= wide.ranking(table))
     assert key[0, 0] == pytest.approx(5.0 ** 0.5 * (1 - 1e-3))
+
+
+def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
+    """The table above with γ = 0.5: a neighbour counts half its peak, so peak 6 (3.0) now ranks above the
+    neighbours of peak 2 (2.4975), and a far window (4) above nothing it borrows from; γ = 1 is pool_weight's
+    default and ranks exactly as before."""
+    from qevict_core.scorers import make_scorer
+    table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
+    weighted = make_scorer(QEvictConfig(pool=1, pool_weight=0.5)).rank(table)
+    assert weighted[0].argsort(descending=True, stable=True).tolist() == [2, 6, 1, 3, 5, 7, 4, 0]
+    assert weighted[0, 1] == pytest.approx(5.0 * 0.5 * (1 - 1e-3)) and weighted[0, 4] == table[0, 4]
+    assert torch.equal(make_scorer(QEvictConfig(pool=1, pool_weight=1.0)).rank(table),
+                       make_scorer(QEvictConfig(pool=1)).rank(table))
+    assert torch.equal(make_scorer(QEvictConfig(pool_weight=0.5)).rank(table), table)  # no pooling: γ unread
