@@ -8,8 +8,8 @@ the source, the flags and the CPU's features (``$QEVICT_CACHE_DIR/kernels``, els
 :func:`available` says whether that worked and, if not, why.
 Work is split over KV heads across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 
-The ``*_varlen`` entries take the heads of one layer whose tiers differ in length, each head's tensors its own
-(``qevict_head``): one call per layer, padded columns at -inf.
+The ``*_varlen`` entries take the heads of one layer whose tiers differ in length, packed head after head in one
+tensor per field with each head's length (``qevict_head``): one call per layer, padded columns at -inf.
 
 ``quant_logits_reference`` and ``quant_values_reference`` (and their ``_varlen`` forms) are the same math in
 PyTorch, in a chosen dtype.
@@ -190,86 +190,93 @@ def quant_values(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tens
     return out
 
 
-def _pointers(tensors: list[torch.Tensor]):
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+def _packed(name: str, tensor: torch.Tensor, dtype: torch.dtype, elements: int) -> torch.Tensor:
+    """One field of every head's tier, packed head after head: ``elements`` of ``dtype``, contiguous."""
+    tensor = _check(name, tensor, dtype)
+    if tensor.numel() != elements:
+        raise ValueError(f"{name} must hold {elements} elements for the heads' lengths (got {tensor.numel()})")
+    return tensor
 
 
-def _windows(name: str, tensor: torch.Tensor, per_window: int, head: int) -> int:
-    if tensor.numel() % per_window:
-        raise ValueError(f"{name} of head {head} must hold whole rows of {per_window} (got {tensor.numel()} elements)")
-    return tensor.numel() // per_window
+def _offsets(lengths: list[int], heads: int, omega: int) -> tuple[list[int], int]:
+    """Each head's first key in the packed tiers, and their total; lengths are whole windows, >= 0."""
+    if len(lengths) != heads:
+        raise ValueError(f"one length per head: {heads} heads, {len(lengths)} lengths")
+    starts, total = [], 0
+    for head, n in enumerate(lengths):
+        if n < 0 or n % omega:
+            raise ValueError(f"head {head}'s tier must hold whole windows of Ω = {omega} keys (got {n})")
+        starts.append(total)
+        total += n
+    return starts, total
 
 
-def quant_logits_varlen(rows: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]], cos: torch.Tensor,
-                        sin: torch.Tensor, sinks: int, omega: int, bits: int, scaling: float,
-                        width: int | None = None) -> torch.Tensor:
+def _pointers(tensor: torch.Tensor, starts: list[int], per_start: int):
+    """Head h's part of a packed field: its first element at ``starts[h] * per_start`` elements in."""
+    base, size = tensor.data_ptr(), tensor.element_size() * per_start
+    return (ctypes.c_void_p * len(starts))(*(base + start * size for start in starts))
+
+
+def quant_logits_varlen(rows: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                        ids: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor, sinks: int,
+                        omega: int, bits: int, scaling: float, width: int | None = None) -> torch.Tensor:
     """:func:`quant_logits` for the KV heads of one layer whose tiers differ in length (qevict_head).
 
-    rows (H, R, D) float32, head h's query rows; tiers[h] = (k_codes, k_scale, k_zero, ids) of head h alone, shaped
-    as :func:`quant_logits`' with B = H = 1 (n_h keys, n_h/Ω windows; n_h may be 0). -> (H, R, width) float32,
-    width >= max n_h (default max n_h): head h's logits in columns [0, n_h) and -inf after them, so that one softmax
-    over padded rows weighs each head's own keys only."""
+    rows (H, R, D) float32, head h's query rows; the heads' tiers packed head after head along the key axis, each
+    as :func:`quant_logits`' with B = H = 1: k_codes (N, D·bits/8) uint8, k_scale, k_zero (N/Ω, D), ids (N/Ω,) int32,
+    any shapes holding those elements contiguously; lengths[h] = n_h, head h's keys (whole windows, may be 0,
+    summing to N). -> (H, R, width) float32, width >= max n_h (default max n_h): head h's logits in columns
+    [0, n_h) and -inf after them, so that one softmax over padded rows weighs each head's own keys only. The fields
+    are checked once per call, not once per head (a layer's call used to check 4·H tensors)."""
     h, r, d = rows.shape
     _shape(d, bits, 0, omega)
-    if len(tiers) != h:
-        raise ValueError(f"one tier per head: rows has {h} heads, tiers has {len(tiers)}")
-    packed = d * bits // 8
-    dtype = tiers[0][1].dtype if tiers else torch.float32
-    kind, checked, lengths = 0, [], []
-    for head, (codes, scale, zero, ids) in enumerate(tiers):
-        n = _windows("k_codes", codes, packed, head)
-        _shape(d, bits, n, omega)
-        for name, tensor in (("k_scale", scale), ("k_zero", zero)):
-            if _windows(name, tensor, d, head) != n // omega:
-                raise ValueError(f"{name} of head {head} must hold {n // omega} windows of {d} channels")
-        if ids.numel() != n // omega:
-            raise ValueError(f"ids of head {head} must hold {n // omega} window ids (got {ids.numel()})")
-        kind, scale, zero = _pair("k", scale, zero, dtype)
-        checked.append((_check("k_codes", codes, torch.uint8), scale, zero, _check("ids", ids, torch.int32)))
-        lengths.append(n)
+    starts, total = _offsets(lengths, h, omega)
     width = max(lengths, default=0) if width is None else width
     if width < max(lengths, default=0):
         raise ValueError(f"width must be at least the longest tier, {max(lengths)} keys (got {width})")
+    packed, windows = d * bits // 8, [s // omega for s in starts]
+    codes = _packed("k_codes", k_codes, torch.uint8, total * packed)
+    kind, scale, zero = _pair("k", k_scale, k_zero)
+    scale, zero = (_packed(f"k_{name}", t, t.dtype, total // omega * d) for name, t in (("scale", scale),
+                                                                                        ("zero", zero)))
+    ids = _packed("ids", ids, torch.int32, total // omega)
     rows, cos, sin = _check("rows", rows, torch.float32), _check("cos", cos, torch.float32), \
         _check("sin", sin, torch.float32)
     out = rows.new_empty(h, r, width)
     n = (ctypes.c_int64 * h)(*lengths)
-    codes, scale, zero, ids = (_pointers([c[i] for c in checked]) for i in range(4))
+    pointers = (_pointers(codes, starts, packed), _pointers(scale, windows, d), _pointers(zero, windows, d))
+    id_pointers = _pointers(ids, windows, 1)
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_logits_varlen(rows.data_ptr(), codes, scale, zero, kind, ids, n,
+    _over_heads(lambda h0, h1: lib.quant_logits_varlen(rows.data_ptr(), *pointers, kind, id_pointers, n,
                                                        cos.data_ptr(), sin.data_ptr(), out.data_ptr(), width, h0, h1,
                                                        r, d, bits, omega, sinks, scaling), h)
     return out
 
 
-def quant_values_varlen(probs: torch.Tensor, tiers: list[tuple[torch.Tensor, ...]], bits: int) -> torch.Tensor:
+def quant_values_varlen(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+                        lengths: list[int], bits: int) -> torch.Tensor:
     """:func:`quant_values` for heads of different lengths: probs (H, R, S) float32 whose first n_h columns of head
-    h weigh its values; tiers[h] = (v_codes, v_scale, v_zero) of head h alone (n_h tokens).
+    h weigh its values; the heads' values packed head after head: v_codes (..., N, D·bits/8) uint8, v_scale, v_zero
+    (N,) (any shapes holding those elements); lengths[h] = n_h (summing to N, each at most S).
     -> (H, R, D) float32: each head's probs[:, :n_h] @ its dequantized values."""
     h, r, stride = probs.shape
-    if len(tiers) != h:
-        raise ValueError(f"one tier per head: probs has {h} heads, tiers has {len(tiers)}")
-    if not tiers:
-        return probs.new_zeros(0, r, 0)
-    d = tiers[0][0].shape[-1] * 8 // bits
+    starts, total = _offsets(lengths, h, 1)  # values are per token: any length
+    if max(lengths, default=0) > stride:
+        raise ValueError(f"a head's {max(lengths)} values need as many probability columns (got {stride})")
+    d = v_codes.shape[-1] * 8 // bits
     _shape(d, bits)
+    if not total:
+        return probs.new_zeros(h, r, d)
     packed = d * bits // 8
-    dtype = tiers[0][1].dtype
-    kind, checked, lengths = 0, [], []
-    for head, (codes, scale, zero) in enumerate(tiers):
-        n = _windows("v_codes", codes, packed, head)
-        if n > stride or scale.numel() != n or zero.numel() != n:
-            raise ValueError(f"head {head}: {n} values need v_scale and v_zero of {n} and at most {stride} "
-                             f"probability columns (got {scale.numel()}, {zero.numel()})")
-        kind, scale, zero = _pair("v", scale, zero, dtype)
-        checked.append((_check("v_codes", codes, torch.uint8), scale, zero))
-        lengths.append(n)
+    codes = _packed("v_codes", v_codes, torch.uint8, total * packed)
+    kind, scale, zero = _pair("v", v_scale, v_zero)
+    scale, zero = (_packed(f"v_{name}", t, t.dtype, total) for name, t in (("scale", scale), ("zero", zero)))
     probs = _check("probs", probs, torch.float32)
     out = probs.new_empty(h, r, d)
     n = (ctypes.c_int64 * h)(*lengths)
-    codes, scale, zero = (_pointers([c[i] for c in checked]) for i in range(3))
+    pointers = (_pointers(codes, starts, packed), _pointers(scale, starts, 1), _pointers(zero, starts, 1))
     lib = _library()
-    _over_heads(lambda h0, h1: lib.quant_values_varlen(probs.data_ptr(), stride, codes, scale, zero, kind, n,
+    _over_heads(lambda h0, h1: lib.quant_values_varlen(probs.data_ptr(), stride, *pointers, kind, n,
                                                        out.data_ptr(), h0, h1, r, d, bits), h)
     return out
 
@@ -300,28 +307,36 @@ def quant_values_reference(probs, v_codes, v_scale, v_zero, bits, dtype=torch.fl
     return (probs[..., :v_codes.shape[2]].to(dtype) @ values).float()
 
 
-def quant_logits_varlen_reference(rows, tiers, cos, sin, sinks, omega, bits, scaling, width=None,
-                                  dtype=torch.float32):
+def _split(tensor: torch.Tensor, lengths: list[int], per_key: int) -> list[torch.Tensor]:
+    return list(tensor.reshape(-1).split([n * per_key for n in lengths]))
+
+
+def quant_logits_varlen_reference(rows, k_codes, k_scale, k_zero, ids, lengths, cos, sin, sinks, omega, bits,
+                                  scaling, width=None, dtype=torch.float32):
     """:func:`quant_logits_varlen` in PyTorch, one head at a time, computed in ``dtype``."""
     d = rows.shape[-1]
+    windows = [n // omega for n in lengths]
     parts = []
-    for head, (codes, scale, zero, ids) in enumerate(tiers):
-        n = codes.numel() * 8 // (d * bits)
+    for head, (n, codes, scale, zero, head_ids) in enumerate(zip(
+            lengths, _split(k_codes, lengths, d * bits // 8), _split(k_scale, windows, d),
+            _split(k_zero, windows, d), _split(ids, windows, 1))):
         if n == 0:
             parts.append(rows.new_zeros(rows.shape[1], 0, dtype=dtype))
             continue
         parts.append(quant_logits_reference(rows[head][None, None], codes.reshape(1, 1, n, d * bits // 8),
                                             scale.reshape(1, 1, -1, d), zero.reshape(1, 1, -1, d),
-                                            ids.reshape(1, -1), cos, sin, sinks, omega, bits, scaling, dtype)[0, 0])
+                                            head_ids.reshape(1, -1), cos, sin, sinks, omega, bits, scaling,
+                                            dtype)[0, 0])
     width = max((p.shape[-1] for p in parts), default=0) if width is None else width
     return torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts])
 
 
-def quant_values_varlen_reference(probs, tiers, bits, dtype=torch.float32):
+def quant_values_varlen_reference(probs, v_codes, v_scale, v_zero, lengths, bits, dtype=torch.float32):
     """:func:`quant_values_varlen` in PyTorch, one head at a time, computed in ``dtype``."""
-    d = tiers[0][0].shape[-1] * 8 // bits
-    return torch.stack([quant_values_reference(probs[head][None, None],
-                                               codes.reshape(1, 1, scale.numel(), d * bits // 8),
-                                               scale.reshape(1, 1, -1, 1), zero.reshape(1, 1, -1, 1), bits,
+    d = v_codes.shape[-1] * 8 // bits
+    return torch.stack([quant_values_reference(probs[head][None, None], codes.reshape(1, 1, n, d * bits // 8),
+                                               scale.reshape(1, 1, n, 1), zero.reshape(1, 1, n, 1), bits,
                                                dtype)[0, 0]
-                        for head, (codes, scale, zero) in enumerate(tiers)])
+                        for head, (n, codes, scale, zero) in enumerate(zip(
+                            lengths, _split(v_codes, lengths, d * bits // 8), _split(v_scale, lengths, 1),
+                            _split(v_zero, lengths, 1)))])

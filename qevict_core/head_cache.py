@@ -43,6 +43,7 @@ from .cache import QEvictCache, QEvictLayer
 from . import head_move, head_step
 from .cache_base import ReportingLayer
 from .config import QEvictConfig
+from .ledger import WindowLedger
 
 FLOOR = 0.2  # α: AdaKV's default share of the uniform capacity that every head keeps
 SHARED = 0.5  # β: weight of the layer's mean ranking in each head's (measured on RULER 2K, docs/engine.md)
@@ -83,6 +84,9 @@ class HeadwiseLayer(ReportingLayer):
         # The heads' score tables, stacked (H, W): each head's table is a row of it, so one scatter folds them all.
         self.scores: torch.Tensor | None = None
         self.interval: torch.Tensor | None = None
+        # Every head's quantized tier in one ledger, head after head; each head's tier is a view of it.
+        self._packed: WindowLedger | None = None
+        self._views: tuple[WindowLedger, ...] = ()
 
     def lazy_initialization(self, key_states, value_states):
         self.is_initialized = True
@@ -114,6 +118,25 @@ class HeadwiseLayer(ReportingLayer):
             self.interval = torch.cat([head.interval for head in self.heads])
             for h, head in enumerate(self.heads):
                 head.interval = self.interval[h:h + 1]
+
+    def packed_quant(self) -> WindowLedger:
+        """Every head's quantized tier in one ledger, head after head (the varlen kernel checks one tensor per
+        field and layer, not one per head). A move of every head at once builds it (head_move.py); after heads
+        moved one by one (the prompt's event) it is joined here, once, and each head's tier becomes a view of it,
+        so nothing is held twice."""
+        heads = self.heads
+        if self._packed is None or any(head.quant is not view for head, view in zip(heads, self._views)):
+            packed = heads[0].quant.cat(*(head.quant for head in heads[1:]))
+            self.owner.note_workspace(sum(packed.nbytes_by_component().values()))  # the old tiers until replaced
+            self.set_packed(packed, [head.quant.num_windows for head in heads])
+        return self._packed
+
+    def set_packed(self, packed: WindowLedger, counts: list[int]) -> None:
+        """Make ``packed`` (``counts[h]`` windows of head h, head after head) every head's quantized tier."""
+        self._views = tuple(packed.split(counts))
+        for head, view in zip(self.heads, self._views):
+            head.quant = view
+        self._packed = packed
 
     def attend(self, module, query, key, value, scaling, dropout):
         one_pass = self._parts is None

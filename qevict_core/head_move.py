@@ -112,9 +112,10 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
 
     old = [(head.full_ids, head.quant.ids) for head in heads] if owner.config.record_events else None
     tokens_f = [k * omega for k in kf]
-    for head, fk, fv, fi, ql in zip(heads, full_k.split(tokens_f, dim=2), full_v.split(tokens_f, dim=2),
-                                    f_ids.to(torch.int32).unsqueeze(0).split(kf, dim=1), quant_ledger.split(kq)):
-        head.full_k, head.full_v, head.full_ids, head.quant = fk, fv, fi, ql
+    layer.set_packed(quant_ledger, kq)
+    for head, fk, fv, fi in zip(heads, full_k.split(tokens_f, dim=2), full_v.split(tokens_f, dim=2),
+                                f_ids.to(torch.int32).unsqueeze(0).split(kf, dim=1)):
+        head.full_k, head.full_v, head.full_ids = fk, fv, fi
         # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
         head.recent_k = head.recent_k[:, :, num_aged * omega:].clone()
         head.recent_v = head.recent_v[:, :, num_aged * omega:].clone()

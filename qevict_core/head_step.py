@@ -3,8 +3,9 @@
 qevict_head keeps each KV head's tiers apart (head_cache.py). Stepping them head by head runs QEvict's decode step H
 times per layer, each a few dozen small tensor operations, which made its step 1.36x QEvict's at 4K tokens
 (bench/README.md, "Head-adaptive routing"). Here one pass serves the layer: the heads' full-precision keys [sinks |
-full | recent] are laid side by side in a padded (H, F, D) workspace, their quantized tiers are read in place by one
-varlen kernel call (``cpu_decode.quant_logits_varlen``), one softmax runs over the padded rows (padding sits at -inf
+full | recent] are laid side by side in a padded (H, F, D) workspace, their quantized tiers (packed head after head
+in one ledger, ``HeadwiseLayer.packed_quant``) are read in place by one varlen kernel call
+(``cpu_decode.quant_logits_varlen``), one softmax runs over the padded rows (padding sits at -inf
 and weighs nothing), and one scatter folds every head's window mass into the layer's stacked (H, W) score table. The
 math is the per-head step's (``cpu_path``); only the order of float sums may differ.
 """
@@ -34,20 +35,22 @@ def attend(layer, query: torch.Tensor, scaling: float):
     keys, values = keys.view(h, width, d), values.view(h, width, d)  # (H, F, D)
     rows = query.float().reshape(h, g, d)  # (H, G, D): KV head h's group of query heads, one query each
     logits = torch.bmm(rows, keys.transpose(1, 2)).mul_(scaling)  # (H, G, F)
-    for i, n in enumerate(lens):
-        logits[i, :, n:] = float("-inf")
-    n_quant = max(head.quant.num_windows for head in heads) * omega
+    padded = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)  # (H, F): one mask, not a slice per head
+    logits.masked_fill_(padded.unsqueeze(1), float("-inf"))
+    packed = layer.packed_quant()
+    lengths = [head.quant.num_windows * omega for head in heads]
+    n_quant = max(lengths)
     if n_quant:  # [quantized | full precision] per head, each part padded to the layer's longest
         cos, sin = owner.rope_table(keys)
-        quant = cpu_decode.quant_logits_varlen(
-            rows, [(q.k_codes, q.k_scale, q.k_zero, q.ids) for q in (head.quant for head in heads)], cos, sin,
-            owner.config.sinks, omega, owner.config.bits, scaling, width=n_quant)
+        quant = cpu_decode.quant_logits_varlen(rows, packed.k_codes, packed.k_scale, packed.k_zero, packed.ids,
+                                               lengths, cos, sin, owner.config.sinks, omega, owner.config.bits,
+                                               scaling, width=n_quant)
         logits = torch.cat([quant, logits], dim=-1)
     probs = torch.softmax(logits, dim=-1)  # (H, G, Q + F)
     out = torch.bmm(probs[..., n_quant:], values)  # (H, G, D)
     if n_quant:
-        out += cpu_decode.quant_values_varlen(
-            probs, [(q.v_codes, q.v_scale, q.v_zero) for q in (head.quant for head in heads)], owner.config.bits)
+        out += cpu_decode.quant_values_varlen(probs, packed.v_codes, packed.v_scale, packed.v_zero, lengths,
+                                              owner.config.bits)
     owner.note_workspace(keys.nbytes + values.nbytes + logits.nbytes + probs.nbytes)
     if owner.scorer.needs_attention:
         fold(layer, probs.sum(dim=1), n_quant, sinks, g)
@@ -59,15 +62,20 @@ def fold(layer, mass: torch.Tensor, n_quant: int, sinks: int, q_heads: int) -> N
     table, Eq. 1 averaged over each head's ``q_heads`` query heads. Padded keys carry no mass, so their window slots
     may name any window: they name window 0 and add zero to it."""
     heads, owner = layer.heads, layer.owner
-    omega = owner.config.omega
-    per_key = torch.cat([mass[:, :n_quant], mass[:, n_quant + sinks:]], dim=1)  # the sinks belong to no window
-    per_window = per_key.view(len(heads), -1, omega).sum(dim=2).div_(q_heads)  # (H, Wq + Wf)
+    h, omega = len(heads), owner.config.omega
     quant_slots = n_quant // omega
+    # Window sums of the two runs of whole windows, each a view of its rows: the sinks between them belong to none.
+    per_window = torch.cat([mass[:, :n_quant].view(h, quant_slots, omega).sum(dim=2),
+                            mass[:, n_quant + sinks:].view(h, -1, omega).sum(dim=2)], dim=1).div_(q_heads)
     first_recent = (heads[0].recent_start - owner.config.sinks) // omega
     recent = torch.arange(first_recent, first_recent + -(-heads[0].recent_k.shape[2] // omega),
                           dtype=torch.int32).unsqueeze(0)  # the same windows in every head
-    zeros = torch.zeros(1, per_window.shape[1], dtype=torch.int32)
-    ids = torch.cat([torch.cat([head.quant.ids, zeros[:, :quant_slots - head.quant.num_windows], head.full_ids,
-                                recent, zeros[:, quant_slots + head.full_ids.shape[1] + recent.shape[1]:]], dim=1)
-                     for head in heads])  # (H, Wq + Wf)
+    slots = per_window.shape[1]
+    zeros = torch.zeros(1, slots, dtype=torch.int32)
+    parts = []  # (1, H·slots): every head's [quantized | padding | full | recent | padding], in one copy
+    for head in heads:
+        nq, nf = head.quant.num_windows, head.full_ids.shape[1]
+        parts += [head.quant.ids, zeros[:, :quant_slots - nq], head.full_ids, recent,
+                  zeros[:, :slots - quant_slots - nf - recent.shape[1]]]
+    ids = torch.cat(parts, dim=1).view(h, slots)
     owner.scorer.fold(layer.scores, layer.interval, ids.long(), per_window)

@@ -72,14 +72,19 @@ VARLEN = [  # windows per head (0 = an empty tier), rows (G), head_dim, Ω, bits
 
 
 def varlen_inputs(windows, rows, dim, omega, bits, seed=0):
-    """Head h's tier drawn as a one-head ledger of windows[h] windows: each head its own tensors."""
+    """Head h's tier drawn as a one-head ledger of windows[h] windows, then every head's packed head after head
+    (as qevict_head's layer keeps them) -> (logits arguments, values arguments without probs)."""
     heads = [ledger_inputs(1, 1, rows, dim, w, omega, bits, seed=seed + h) for h, w in enumerate(windows)]
     args = heads[max(range(len(windows)), key=windows.__getitem__)][0]  # cos/sin rows for every head's positions
-    tiers = [(a["k_codes"], a["k_scale"], a["k_zero"], a["ids"]) for a, _ in heads]
-    values = [(v, torch.rand(1, 1, v.shape[2], 1) / 4, torch.randn(1, 1, v.shape[2], 1)) for _, v in heads]
+    packed = {name: torch.cat([a[name] for a, _ in heads], dim=2) for name in ("k_codes", "k_scale", "k_zero")}
+    packed["ids"] = torch.cat([a["ids"] for a, _ in heads], dim=1)
+    v_codes = torch.cat([v for _, v in heads], dim=2)
+    n = v_codes.shape[2]
+    values = dict(v_codes=v_codes, v_scale=torch.rand(1, 1, n, 1) / 4, v_zero=torch.randn(1, 1, n, 1),
+                  lengths=[w * omega for w in windows], bits=bits)
     query = torch.randn(len(windows), rows, dim, generator=torch.Generator().manual_seed(seed))
-    return dict(rows=query, tiers=tiers, cos=args["cos"], sin=args["sin"], sinks=5, omega=omega, bits=bits,
-                scaling=dim ** -0.5), values
+    return dict(rows=query, **packed, lengths=[w * omega for w in windows], cos=args["cos"], sin=args["sin"],
+                sinks=5, omega=omega, bits=bits, scaling=dim ** -0.5), values
 
 
 @pytest.mark.parametrize("windows,rows,dim,omega,bits,extra", VARLEN)
@@ -96,10 +101,10 @@ def test_varlen_heads_match_the_reference_and_pad_with_minus_infinity(windows, r
     assert_within_float32_error(got[finite], ref64[finite], ref32[finite])
     # A softmax over [each head's quantized keys | 9 more]: the values read only each head's own columns.
     probs = torch.softmax(torch.cat([got, torch.randn(len(windows), rows, 9)], -1), -1)
-    out = cpu_decode.quant_values_varlen(probs, values, bits)
+    out = cpu_decode.quant_values_varlen(probs, **values)
     assert out.shape == (len(windows), rows, dim)
-    assert_within_float32_error(out, cpu_decode.quant_values_varlen_reference(probs, values, bits, torch.float64),
-                                cpu_decode.quant_values_varlen_reference(probs, values, bits))
+    assert_within_float32_error(out, cpu_decode.quant_values_varlen_reference(probs, **values, dtype=torch.float64),
+                                cpu_decode.quant_values_varlen_reference(probs, **values))
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
@@ -118,14 +123,15 @@ def test_half_precision_scales_read_as_their_float32_widening(param_dtype):
     assert torch.equal(cpu_decode.quant_values(probs, v_codes, v_scale, v_zero, 4),
                        cpu_decode.quant_values(probs, v_codes, v_scale.float(), v_zero.float(), 4))
     varlen, values = varlen_inputs((5, 0, 3), 3, 64, 8, 2)
-    to = lambda tiers, dtype: [tuple(t.to(dtype) if t.is_floating_point() else t for t in tier)  # noqa: E731
-                               for tier in tiers]
-    got = cpu_decode.quant_logits_varlen(**{**varlen, "tiers": to(varlen["tiers"], param_dtype)})
-    assert torch.equal(got, cpu_decode.quant_logits_varlen(**{**varlen, "tiers": to(to(varlen["tiers"], param_dtype),
-                                                                                    torch.float32)}))
+    narrow = {**varlen, "k_scale": varlen["k_scale"].to(param_dtype), "k_zero": varlen["k_zero"].to(param_dtype)}
+    got = cpu_decode.quant_logits_varlen(**narrow)
+    assert torch.equal(got, cpu_decode.quant_logits_varlen(**{**narrow, "k_scale": narrow["k_scale"].float(),
+                                                              "k_zero": narrow["k_zero"].float()}))
     probs = torch.softmax(got, -1)
-    assert torch.equal(cpu_decode.quant_values_varlen(probs, to(values, param_dtype), 2),
-                       cpu_decode.quant_values_varlen(probs, to(to(values, param_dtype), torch.float32), 2))
+    narrow = {**values, "v_scale": values["v_scale"].to(param_dtype), "v_zero": values["v_zero"].to(param_dtype)}
+    assert torch.equal(cpu_decode.quant_values_varlen(probs, **narrow),
+                       cpu_decode.quant_values_varlen(probs, **{**narrow, "v_scale": narrow["v_scale"].float(),
+                                                                "v_zero": narrow["v_zero"].float()}))
 
 
 def test_the_bit_arithmetic_widening_reads_float16_as_the_compilers_does(monkeypatch):
@@ -146,10 +152,16 @@ def test_varlen_refuses_a_tier_that_does_not_fit():
     args, values = varlen_inputs((4, 2), 3, 64, 8, 2)
     with pytest.raises(ValueError, match="width must be at least the longest tier, 32 keys"):
         cpu_decode.quant_logits_varlen(**args, width=31)
-    with pytest.raises(ValueError, match="one tier per head"):
-        cpu_decode.quant_logits_varlen(**{**args, "tiers": args["tiers"][:1]})
-    with pytest.raises(ValueError, match="at most 16 probability columns"):
-        cpu_decode.quant_values_varlen(torch.rand(2, 3, 16), values, 2)
+    with pytest.raises(ValueError, match="one length per head: 2 heads, 1 lengths"):
+        cpu_decode.quant_logits_varlen(**{**args, "lengths": [32]})
+    with pytest.raises(ValueError, match="head 1's tier must hold whole windows of Ω = 8 keys"):
+        cpu_decode.quant_logits_varlen(**{**args, "lengths": [32, 12]})
+    with pytest.raises(ValueError, match="k_codes must hold 640 elements for the heads' lengths"):
+        cpu_decode.quant_logits_varlen(**{**args, "lengths": [32, 8]})  # the packed tensors hold 48 keys
+    with pytest.raises(ValueError, match="need as many probability columns \\(got 16\\)"):
+        cpu_decode.quant_values_varlen(torch.rand(2, 3, 16), **values)
+    with pytest.raises(ValueError, match="v_scale must hold 48 elements"):
+        cpu_decode.quant_values_varlen(torch.rand(2, 3, 40), **{**values, "v_scale": values["v_scale"][..., :47, :]})
 
 
 def test_threads_split_heads_without_changing_results():
