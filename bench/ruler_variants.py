@@ -28,15 +28,17 @@ from .ruler_tasks import DEFAULT_TASKS, TASKS, string_match_all
 
 
 def configs(variants: dict, budget: float) -> dict[str, QEvictConfig]:
+    """A variant's ``"per_head": β`` is its ``head_blend``."""
     base = QEvictConfig(budget=budget).to_dict()
-    return {name: QEvictConfig.from_dict({**base, **{k: v for k, v in fields.items() if k != "per_head"}})
+    return {name: QEvictConfig.from_dict({**base, **{k: v for k, v in fields.items() if k != "per_head"},
+                                          **({"head_blend": fields["per_head"]} if "per_head" in fields else {})})
             for name, fields in variants.items()}
 
 
 def build(model, config: QEvictConfig, max_length: int, per_head: float | None):
     if per_head is None:
         return QEvictCache(model, config, max_length)
-    return HeadwiseQEvictCache(model, config, max_length, shared=per_head)
+    return HeadwiseQEvictCache(model, config, max_length)
 
 
 def run(args) -> None:

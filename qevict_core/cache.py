@@ -169,10 +169,12 @@ class QEvictLayer(ReportingLayer):
 
     def settle(self) -> None:
         """Finish the score table for ranking: the scorer's interval, then the windows leaving the recent region."""
-        self.owner.scorer.settle(self.scores, self.interval)
-        aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
-        if aged.shape[1]:
-            self.owner.scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self._grid[1]])
+        scorer = self.owner.scorer
+        scorer.settle(self.scores, self.interval)
+        if scorer.reads_aged_keys:
+            aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
+            if aged.shape[1]:
+                scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self._grid[1]])
 
     def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rank the settled candidates and move windows between tiers."""

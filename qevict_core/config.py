@@ -45,6 +45,12 @@ class QEvictConfig:
                   max(s(w), γ·max of its neighbourhood). 1 ranks a neighbour just below the peak it borrows from;
                   a smaller γ lets a neighbour of a strong peak in, and one of a weak peak compete with other
                   windows. Read only when ``pool`` > 0.
+    head_blend:   β of ``qevict_head``: each KV head ranks windows by (1 - β)·its own ranking + β·the mean of its
+                  layer's heads' (1 = every head ranks alike, as QEvict's layer does; 0 = its own query group's
+                  attention alone).
+    head_floor:   α of ``qevict_head``: the share of the uniform capacity K_f, K_q that every head keeps before the
+                  rest of the layer's slots go to the best-ranked windows of any head (AdaKV's floor; 1 = every head
+                  exactly K_f and K_q).
     promotion:    allow Quantized -> Full promotion (False gives the one-way ablation).
     prefill_window: a forward of more tokens than this (the prompt) scores windows with its last
                   ``prefill_window`` queries only, an observation window as in SnapKV; 0 = every query (the
@@ -74,6 +80,8 @@ class QEvictConfig:
     scorer: str = "cumulative"
     pool: int = 0
     pool_weight: float = 1.0
+    head_blend: float = 0.5
+    head_floor: float = 0.2
     promotion: bool = True
     prefill_window: int = 32
     decay: float = 0.99
@@ -134,6 +142,10 @@ class QEvictConfig:
                 or not 0.0 < self.pool_weight <= 1.0):
             raise ValueError(f"pool_weight must be a fraction in (0, 1], what a neighbour's score counts for in "
                              f"pooling (got {self.pool_weight!r})")
+        for name in ("head_blend", "head_floor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a fraction in [0, 1] (got {value!r})")
         if self.kernels not in KERNEL_SETTINGS:
             raise ValueError(f"kernels must be one of {KERNEL_SETTINGS} (got {self.kernels!r})")
         if not 0.0 < self.decay <= 1.0:

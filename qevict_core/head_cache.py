@@ -6,7 +6,7 @@ own score table (Eq. 1 averaged over its group), tiers, dormant ledger and routi
 so a head holding more windows than another really holds more bytes, and less is really freed elsewhere.
 
 Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking + β·the mean of the layer's heads'
-(β = ``shared``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
+(β = ``QEvictConfig.head_blend``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
 a head keeps only what its own group attended to while scoring, and on RULER-style retrieval at 5% the copy heads
 then lost the needle's later digits (docs/engine.md has the measurement). The registered ``qevict_head`` also pools
 the ranking over neighbouring windows (``QEvictConfig.pool = 1``, applied by the scorer before the blend), so a head
@@ -16,8 +16,9 @@ per-layer routing on this model's retrieval prompts, with it it wins (docs/engin
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's
 H·K_f full and H·K_q quantized slots are split over its heads, AdaKV-style: each head first gets its
-best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = 0.2), then the remaining slots go to the
-best-ranked remaining windows of the whole layer, whichever head they belong to (one top-k across heads; on equal
+best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = ``QEvictConfig.head_floor``, 0.2), then the
+remaining slots go to the best-ranked remaining windows of the whole layer, whichever head they belong to (one
+top-k across heads; on equal
 ranks the better slot within its head first, then the lower head, so identical heads get identical shares). The
 quantized split runs on what each head's full tier leaves. Every window of every head costs the same bytes, so the
 layer's bytes are those of H heads at K_f and K_q, within the budget. A decode step on the CPU kernel moves every head
@@ -44,10 +45,6 @@ from . import head_move, head_step
 from .cache_base import ReportingLayer
 from .config import QEvictConfig
 from .ledger import WindowLedger
-
-FLOOR = 0.2  # α: AdaKV's default share of the uniform capacity that every head keeps
-SHARED = 0.5  # β: weight of the layer's mean ranking in each head's (measured on RULER 2K, docs/engine.md)
-
 
 class HeadLayer(QEvictLayer):
     """One KV head of one layer, routed on its own; ``allotted`` is its (K_f, K_q) for the next routing event."""
@@ -146,13 +143,14 @@ class HeadwiseLayer(ReportingLayer):
             out, parts = self._attend_per_head(module, query, scaling, dropout)
         self._parts = []
         if self.owner.routed():
-            for head in self.heads:
-                head.settle()
-            self.owner.blend(self.heads, self.scores)
+            table = self._settle_and_rank()
             cands = [head.candidates()[0] for head in self.heads]  # batch row 0: batch size is 1
-            rank = pad_sequence([head.candidate_ranks(c.unsqueeze(0))[0] for head, c in zip(self.heads, cands)],
-                                batch_first=True, padding_value=float("-inf"))  # (H, C)
+            ids = pad_sequence(cands, batch_first=True)  # (H, C), padded with window 0
+            padding = torch.arange(ids.shape[1]) >= torch.tensor([c.numel() for c in cands]).unsqueeze(1)
+            rank = table.gather(1, ids.long()).masked_fill_(padding, float("-inf"))  # (H, C)
             order, ranked = self.owner.allot(self.heads, rank)
+            for h, head in enumerate(self.heads):  # what a head moving on its own ranks by
+                head.rank_table = table[h:h + 1]
             if one_pass:
                 head_move.move_heads(self, keys, values, cands, rank, ranked)
             else:
@@ -163,6 +161,18 @@ class HeadwiseLayer(ReportingLayer):
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
+
+    def _settle_and_rank(self) -> torch.Tensor:
+        """Every head's table settled for ranking at once (the stacked rows; a scorer that reads the keys of windows
+        leaving the recent region reads each head's) -> (H, W): what each head ranks its windows by."""
+        scorer = self.owner.scorer
+        scorer.settle(self.scores, self.interval)
+        if scorer.reads_aged_keys:
+            for head in self.heads:
+                aged = head.candidates()[:, head.quant.num_windows + head.full_ids.shape[1]:]
+                if aged.shape[1]:
+                    scorer.on_aged(head.scores, aged, head.recent_k[:, :, :aged.shape[1] * self.owner.config.omega])
+        return self.owner.blend(self.scores)
 
     def _attend_per_head(self, module, query, scaling, dropout):
         parts = self._parts
@@ -197,8 +207,8 @@ def split_capacity(ranks: torch.Tensor, total: int, floor: int) -> list[int]:
     if left <= 0 or ranks.shape[1] <= floor:
         return counts.tolist()
     pool = ranks[:, floor:].T.flatten()  # (slot, head): slot-major ties; what each head's floor did not take
+    # pool holds available - counts finite ranks, at least ``left``: the first ``left`` are never padding.
     chosen = pool.sort(descending=True, stable=True).indices[:left]
-    chosen = chosen[pool[chosen] > float("-inf")]  # padding never counts
     return (counts + torch.bincount(chosen % heads, minlength=heads)).tolist()
 
 
@@ -208,16 +218,10 @@ class HeadwiseQEvictCache(QEvictCache):
     method = "qevict_head"
     chunked_prefill = None  # its heads would each need a stage; not built (prefill.py)
 
-    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1, floor: float = FLOOR,
-                 shared: float = SHARED):
+    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1):
         if batch_size != 1:
             raise ValueError(f"qevict_head routes each head of each sequence separately and runs batch size 1 "
                              f"(got {batch_size}); for a batch use make_cache(..., padded=True)")
-        for name, value in (("floor", floor), ("shared", shared)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1] (got {value!r})")
-        self.floor = floor
-        self.shared = shared
         super().__init__(model, config, max_length, batch_size)
 
     def plan_shape(self, shape: KVShape) -> KVShape:
@@ -228,16 +232,15 @@ class HeadwiseQEvictCache(QEvictCache):
     def make_layer(self, layer_idx: int, shape: KVShape) -> ReportingLayer:
         return HeadwiseLayer(layer_idx, self, shape.num_kv_heads)
 
-    def blend(self, heads: list[HeadLayer], table: torch.Tensor) -> None:
-        """Each head ranks by (1 - β) x its own ranking + β x the mean ranking of the layer's heads (β = ``shared``):
-        the windows a head's own query group favours, without dropping what the layer as a whole attends to. β = 1
-        ranks every head alike, which makes exactly QEvict's per-layer decisions."""
-        if not self.shared:
-            return
-        own = self.scorer.rank(table)  # (H, W): the layer's stacked table, a head per row
-        blended = own * (1 - self.shared) + own.mean(dim=0, keepdim=True) * self.shared
-        for h, head in enumerate(heads):
-            head.rank_table = blended[h:h + 1]
+    def blend(self, table: torch.Tensor) -> torch.Tensor:
+        """table (H, W): the layer's stacked score table, a head per row -> what each head ranks by: (1 - β) x its
+        own ranking + β x the mean ranking of the layer's heads (β = ``config.head_blend``), the windows a head's
+        own query group favours without dropping what the layer as a whole attends to. β = 1 ranks every head alike,
+        which makes exactly QEvict's per-layer decisions."""
+        own, beta = self.scorer.rank(table), self.config.head_blend
+        if not beta:
+            return own
+        return own * (1 - beta) + own.mean(dim=0, keepdim=True) * beta
 
     def allot(self, heads: list[HeadLayer], rank: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Split the layer's H·K_f and H·K_q over its (settled) heads; ``rank`` (H, C): each head's candidates'
@@ -247,14 +250,14 @@ class HeadwiseQEvictCache(QEvictCache):
         in_quant = torch.arange(rank.shape[1]) < torch.tensor([head.quant.num_windows for head in heads]).unsqueeze(1)
         eligible = (rank if promotion else rank.masked_fill(in_quant, float("-inf"))).sort(
             dim=1, descending=True, stable=True)
-        k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.floor * plan.k_full))
+        k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.config.head_floor * plan.k_full))
         # What each head's full tier leaves (its best k_full eligible ranks taken out) competes for low-bit slots.
         rest = eligible.values.masked_fill(torch.arange(rank.shape[1]) < torch.tensor(k_full).unsqueeze(1),
                                            float("-inf"))
         if not promotion:
             rest = torch.cat([rest, rank.masked_fill(~in_quant, float("-inf"))], dim=1)
         rest = rest.sort(dim=1, descending=True).values
-        k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.floor * plan.k_quant))
+        k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.config.head_floor * plan.k_quant))
         growth = []
         for h, head in enumerate(heads):
             growth.append((k_full[h] - head.full_ids.shape[1]) * plan.full_window_bytes

@@ -15,7 +15,7 @@ from .cache_base import ReportingCache
 from .config import QEvictConfig
 from .eviction import EvictionCache
 from .fullkv import FullKVCache
-from .head_cache import SHARED, HeadwiseQEvictCache
+from .head_cache import HeadwiseQEvictCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
 from .padded import RowCache
@@ -59,9 +59,9 @@ def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[...
     return build
 
 
-def _qevict_head(name: str, shared: float = SHARED, **overrides) -> Callable[..., ReportingCache]:
+def _qevict_head(name: str, **overrides) -> Callable[..., ReportingCache]:
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
-        cache = HeadwiseQEvictCache(model, config.replace(**overrides), max_length, batch_size, shared=shared)
+        cache = HeadwiseQEvictCache(model, config.replace(**overrides), max_length, batch_size)
         cache.method = name
         return cache
     return build
@@ -121,7 +121,7 @@ METHODS: dict[str, MethodSpec] = {
                               "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); see qevict_core/head_cache.py", "qevict"),
     "qevict_head_nopool": MethodSpec(_qevict_head("qevict_head_nopool"), "qevict_head ablation without pooling "
                                      "(pool = 0): its form before pooling.", "qevict_core/head_cache.py", "qevict"),
-    "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", shared=0.0), "qevict_head ablation: each head "
+    "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", head_blend=0.0), "qevict_head ablation: each head "
                                   "ranks by its own query group's attention alone (β = 0), without pooling (its first "
                                   "form).", "qevict_core/head_cache.py", "qevict"),
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),

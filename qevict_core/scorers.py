@@ -26,6 +26,7 @@ POOL_TIE = 1e-3
 class Scorer:
     needs_attention = True
     keeps_interval = False
+    reads_aged_keys = False  # on_aged does something: it needs the keys of windows leaving the recent region
     pool: int = 0
     pool_weight: float = 1.0
 
@@ -97,6 +98,7 @@ class KeyNormScorer(Scorer):
     """Eq. 24: S(w) = -mean_i ||k_i||, attention-free; set once when the window leaves the recent region."""
 
     needs_attention = False
+    reads_aged_keys = True
 
     def on_aged(self, table, window_ids, keys):
         b, h = keys.shape[:2]

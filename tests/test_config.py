@@ -33,6 +33,9 @@ from tests.conftest import tiny_model
     ({"pool_weight": 1.5}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_weight": float("nan")}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_weight": True}, r"pool_weight must be a fraction in \(0, 1\]"),
+    ({"head_blend": 1.5}, r"head_blend must be a fraction in \[0, 1\]"),
+    ({"head_floor": -0.1}, r"head_floor must be a fraction in \[0, 1\]"),
+    ({"head_floor": float("nan")}, r"head_floor must be a fraction in \[0, 1\]"),
     ({"budget": "0.2"}, "budget must be a finite number"),
     ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
 ])

@@ -136,7 +136,7 @@ def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
     prompt, new = random_prompt(300), 40
     config = QEvictConfig(budget=0.5, k_full=4, k_quant=10, record_events=True)
     caches = [make_cache("qevict", model, config, max_length=300 + new),
-              HeadwiseQEvictCache(model, config, max_length=300 + new, shared=1.0)]
+              HeadwiseQEvictCache(model, config.replace(head_blend=1.0), max_length=300 + new)]
     layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [Lane("l", cache)],
                                                         Sampling(max_new_tokens=new)) if e.kind == "routing"]
                              for cache in caches)
@@ -145,8 +145,6 @@ def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
     for event in head_wise:
         ref = by_layer[(event.step, event.layer)]
         assert (event.full, event.quantized) == (ref.full, ref.quantized)
-    with pytest.raises(ValueError, match=r"shared must lie in \[0, 1\]"):
-        HeadwiseQEvictCache(model, config, max_length=300, shared=1.5)
 
 
 def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
