@@ -37,11 +37,12 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     sinks, omega, promotion = owner.config.sinks, owner.config.omega, owner.config.promotion
     h, width, d = keys.shape
     c = rank.shape[1]
-    nq = torch.tensor([head.quant.num_windows for head in heads]).unsqueeze(1)  # (H, 1)
-    nf = torch.tensor([head.full_ids.shape[1] for head in heads]).unsqueeze(1)
+    n_quant = [head.quant.num_windows for head in heads]
+    n_full = [head.full_ids.shape[1] for head in heads]
+    nq, nf = torch.tensor(n_quant).unsqueeze(1), torch.tensor(n_full).unsqueeze(1)  # (H, 1)
     sizes = [x.numel() for x in cands]
-    num_aged = sizes[0] - int(nq[0]) - int(nf[0])  # the same windows leave every head's recent region
-    kf = [min(head.allotted[0], n if promotion else n - int(q)) for head, n, q in zip(heads, sizes, nq[:, 0])]
+    num_aged = sizes[0] - n_quant[0] - n_full[0]  # the same windows leave every head's recent region
+    kf = [min(head.allotted[0], n if promotion else n - q) for head, n, q in zip(heads, sizes, n_quant)]
     kq = [min(head.allotted[1], n - k) for head, n, k in zip(heads, sizes, kf)]
 
     # Decisions, as route_windows takes them row by row: the full tier is the top K_f of the eligible ranks; with
@@ -59,8 +60,8 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     # tier (0 quantized, 1 full, 2 aged) and, for a full or aged one, where it starts in the flat workspace.
     row = torch.arange(h).unsqueeze(1)
     record = torch.where(slot < nq, nq.cumsum(0) - nq + slot, -1)  # (H, C)
-    parts = [head.quant for head in heads]
-    n_records = int(nq.sum())
+    parts = [layer.packed_quant()]  # every head's quantized tier, head after head
+    n_records = sum(n_quant)
     if heads[0].dormant is not None:
         parts += [head.dormant for head in heads]
         valid = torch.cat([head.dormant_valid[0] for head in heads])  # (ΣF,) aligned with the joined dormants
@@ -68,7 +69,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
             at = nf.cumsum(0) - nf + slot - nq  # the dormant slot of a full-tier candidate
             has = (slot >= nq) & (slot < nq + nf) & valid[at.clamp(0, valid.numel() - 1)]
             record = torch.where(has, n_records + at, record)
-        n_records += int(nf.sum())
+        n_records += sum(n_full)
     tier = (slot >= nq).long() + (slot >= nq + nf).long()
     start = row * width + sinks + (slot - nq) * omega
     ids = pad_sequence(cands, batch_first=True, padding_value=torch.iinfo(torch.int32).max)  # padding sorts last
