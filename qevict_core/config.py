@@ -15,6 +15,7 @@ SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
+POOL_SCOPES = ("event", "prompt")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class QEvictConfig:
                   max(s(w), γ·max of its neighbourhood). 1 ranks a neighbour just below the peak it borrows from;
                   a smaller γ lets a neighbour of a strong peak in, and one of a weak peak compete with other
                   windows. Read only when ``pool`` > 0.
+    pool_scope:   when pooling applies: "event" (the ranking is pooled at every routing event) or "prompt" (the
+                  prompt's scores are pooled once, into the table, at its routing event, as SnapKV and AdaKV pool
+                  their observation window; decode steps then add Eq. 1's unpooled mass).
     head_blend:   β of ``qevict_head``: each KV head ranks windows by (1 - β)·its own ranking + β·the mean of its
                   layer's heads' (1 = every head ranks alike, as QEvict's layer does; 0 = its own query group's
                   attention alone).
@@ -80,6 +84,7 @@ class QEvictConfig:
     scorer: str = "cumulative"
     pool: int = 0
     pool_weight: float = 1.0
+    pool_scope: str = "event"
     head_blend: float = 0.5
     head_floor: float = 0.2
     promotion: bool = True
@@ -142,6 +147,8 @@ class QEvictConfig:
                 or not 0.0 < self.pool_weight <= 1.0):
             raise ValueError(f"pool_weight must be a fraction in (0, 1], what a neighbour's score counts for in "
                              f"pooling (got {self.pool_weight!r})")
+        if self.pool_scope not in POOL_SCOPES:
+            raise ValueError(f"pool_scope must be one of {POOL_SCOPES} (got {self.pool_scope!r})")
         for name in ("head_blend", "head_floor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:

@@ -257,6 +257,22 @@ def test_speed_smoke(tmp_path):
         speed.main(["--model", "tiny", "--methods", "qevict/0", "--contexts", "512", "--out", str(tmp_path)])
 
 
+def test_tpot_side_by_side_smoke(tmp_path):
+    from bench import tpot
+
+    tpot.main(["--model", "tiny", "--methods", "fullkv,qevict,qevict_head", "--baseline", "qevict", "--contexts",
+               "512", "--new-tokens", "18", "--rounds", "2", "--out", str(tmp_path)])
+    rows = {r["method"]: r for r in read_jsonl(list(tmp_path.glob("*.jsonl")))}
+    assert rows["qevict"]["tpot_vs_baseline"] == 1.0 and rows["qevict"]["rounds"] == 2
+    assert rows["qevict_head"]["tpot"] > 0 and rows["qevict_head"]["tpot_vs_baseline_min"] <= \
+        rows["qevict_head"]["tpot_vs_baseline"] <= rows["qevict_head"]["tpot_vs_baseline_max"]
+    # 17 steps at Ω = 8 hold two routing events: both QEvict lanes report one, FullKV none
+    assert "routing_extra" in rows["qevict_head"] and "routing_extra" not in rows["fullkv"]
+    assert "| 512 | qevict_head |" in next(tmp_path.glob("*.md")).read_text()
+    with pytest.raises(ValueError, match=r"--baseline must be one of --methods \['fullkv'\]"):
+        tpot.main(["--model", "tiny", "--methods", "fullkv", "--baseline", "qevict", "--out", str(tmp_path)])
+
+
 def test_peak_rss_sees_a_buffer_freed_before_the_end():
     import torch
 

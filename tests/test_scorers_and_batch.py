@@ -119,3 +119,44 @@ def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
     assert torch.equal(make_scorer(QEvictConfig(pool=1, pool_weight=1.0)).rank(table),
                        make_scorer(QEvictConfig(pool=1)).rank(table))
     assert torch.equal(make_scorer(QEvictConfig(pool_weight=0.5)).rank(table), table)  # no pooling: γ unread
+
+
+@pytest.mark.parametrize("scorer", ["cumulative", "pnorm"])
+def test_prompt_scope_pools_the_table_once_and_ranks_unpooled_after(scorer):
+    """pool_scope="prompt": the prompt's event turns the table into its pooled form (pnorm's Σu^p through its
+    root and back), and every ranking after it is the table's own, unpooled; "event" leaves the table alone."""
+    from qevict_core.scorers import make_scorer
+    table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
+    every = make_scorer(QEvictConfig(pool=1, scorer=scorer, p=2.0))
+    once = make_scorer(QEvictConfig(pool=1, scorer=scorer, p=2.0, pool_scope="prompt"))
+    assert torch.equal(once.rank(table), once.ranking(table))  # before the prompt's event: unpooled
+    pooled = table.clone()
+    once.pool_prompt(pooled)
+    assert torch.allclose(once.rank(pooled), every.rank(table))
+    later = pooled + torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # a decode step's mass on window 7
+    assert torch.equal(once.rank(later), once.ranking(later))  # window 6 does not borrow window 7's 9
+    untouched = table.clone()
+    every.pool_prompt(untouched)
+    assert torch.equal(untouched, table)
+
+
+@pytest.mark.parametrize("method", ["qevict_pool", "qevict_head"])
+def test_prompt_scope_routes_the_prompt_as_every_event_pooling_does_and_decode_unpooled(method):
+    """The prompt's event ranks the same pooled scores under both scopes, so its decisions are the same; after it the
+    "prompt" scope's table holds the pooled prompt scores (the other's does not), and decode ranks differ."""
+    from tests.test_equivalence import _Tok
+    from qevict_core import Lane, Sampling, generate_lanes
+
+    model, prompt = tiny_model("llama", 2), random_prompt(400)
+    events, tables = {}, {}
+    for scope in ("event", "prompt"):
+        config = QEvictConfig(budget=0.2, pool_weight=0.5, pool_scope=scope, record_events=True)
+        lane = Lane(method, make_cache(method, model, config, max_length=460))
+        events[scope] = [(e.step, e.layer, e.head, e.full, e.quantized) for e in generate_lanes(
+            model, _Tok(), prompt, [lane], Sampling(max_new_tokens=60)) if e.kind == "routing"]
+        tables[scope] = torch.cat([layer.scores for layer in lane.cache.layers])
+    first = [e for e in events["event"] if e[0] == 0]
+    assert first and first == [e for e in events["prompt"] if e[0] == 0]
+    assert not torch.equal(tables["event"], tables["prompt"])
+    if method == "qevict_head":  # on this tiny model per-layer decisions after the prompt happen to coincide
+        assert events["event"] != events["prompt"]

@@ -1,0 +1,135 @@
+"""Time per output token of several methods decoding side by side in one process, their steps interleaved.
+
+    python -m bench.tpot --methods fullkv,qevict,qevict_head --baseline qevict --context 4096 --new-tokens 64 \\
+        --rounds 3 --threads 1 --out bench/results/tpot
+
+``bench.speed`` runs every method in a fresh process, which its peak-memory figures need; but on a shared machine
+the model's own matrix products ran up to 25% slower in one process than in another started a minute later, which
+is more than the differences between QEvict's variants it is meant to show. Here every method's cache is prefilled
+in the same process, then each decode step of each method is timed in turn (the order rotates every step), so a
+drift in the machine's speed reaches every method within one step of the others. Each round builds the caches
+afresh; a method's TPOT is the mean of its steps, its plain step the median of those that do not route, and its
+routing event the median extra time of those that do. Ratios to ``--baseline`` are taken within each round, then
+the median over rounds is reported with their range. A warm-up decode of every method on a short prompt comes
+first. No peak memory: the caches share one allocator (``bench.speed`` measures it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qevict_core import QEvictConfig, make_cache
+from qevict_core.prefill import prefill
+
+from .common import RESULTS, add_model_args, method_lanes
+from .speed import load, parse_spec, prompt_ids, routing_overhead, sync
+
+
+def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, float | None]],
+                        new_tokens: int) -> dict[str, list[tuple[float, bool]]]:
+    """Prefill a fresh cache per lane, then ``new_tokens - 1`` decode steps of every lane, interleaved, the order
+    rotated each step -> per lane its (seconds, routed) per step."""
+    device = prompt.device
+    caches, tokens, steps = {}, {}, {}
+    with torch.inference_mode():
+        for spec, budget in lanes:
+            name, kernels, chunk = parse_spec(spec)
+            caches[spec] = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels),
+                                      max_length=prompt.shape[1] + new_tokens)
+            tokens[spec] = prefill(model, prompt, caches[spec], chunk).argmax(-1, keepdim=True)
+            steps[spec] = []
+        order = [spec for spec, _ in lanes]
+        for step in range(new_tokens - 1):
+            for spec in order[step % len(order):] + order[:step % len(order)]:
+                sync(device)
+                began = time.perf_counter()
+                logits = model(tokens[spec], cache=caches[spec], logits_to_keep=1).logits
+                tokens[spec] = logits[:, -1].argmax(-1, keepdim=True)
+                sync(device)
+                steps[spec].append((time.perf_counter() - began, caches[spec].routed()))
+    return steps
+
+
+def summarise(steps: list[tuple[float, bool]]) -> dict:
+    return {"tpot": sum(s for s, _ in steps) / len(steps), **routing_overhead(steps)}
+
+
+def run(model, tokenizer, lanes, context: int, new_tokens: int, rounds: int, baseline: str) -> list[dict]:
+    device = next(model.parameters()).device
+    prompt = prompt_ids(tokenizer, model, context, 1, device)
+    decode_side_by_side(model, prompt[:, :min(context, 1024)], lanes, 16)  # warm-up: code paths, allocator
+    per_round = []
+    for _ in range(rounds):
+        summary = {spec: summarise(s) for spec, s in decode_side_by_side(model, prompt, lanes, new_tokens).items()}
+        for res in summary.values():
+            res["tpot_vs_baseline"] = res["tpot"] / summary[baseline]["tpot"]
+        per_round.append(summary)
+    rows = []
+    for spec, budget in lanes:
+        runs = [r[spec] for r in per_round]
+        row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        ratios = [r["tpot_vs_baseline"] for r in runs]
+        rows.append({"method": spec, "budget": budget, "context": context, "new_tokens": new_tokens,
+                     "rounds": rounds, "baseline": baseline, **row, "tpot_vs_baseline_min": min(ratios),
+                     "tpot_vs_baseline_max": max(ratios)})
+    return rows
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    lines = [f"{meta['model']} on {meta['cpu'] if meta['device'] == 'cpu' else meta['gpu']} ({meta['device']}, "
+             f"{meta['threads']} threads), {meta['date']}, commit {meta['commit']}. Every method decoding in one "
+             f"process, steps interleaved; medians over {rows[0]['rounds']} rounds of {rows[0]['new_tokens'] - 1} "
+             f"steps; ratios to {rows[0]['baseline']} taken within each round (range in brackets).", "",
+             f"| context | method | TPOT ms | plain step ms | routing event extra ms | TPOT × {rows[0]['baseline']} |",
+             "|" + "---|" * 6]
+    for r in rows:
+        extra = f"{1000 * r['routing_extra']:.0f}" if "routing_extra" in r else "—"
+        plain = f"{1000 * r['plain_step']:.1f}" if "plain_step" in r else "—"
+        lines.append(f"| {r['context']} | {r['method']} | {1000 * r['tpot']:.1f} | {plain} | {extra} | "
+                     f"{r['tpot_vs_baseline']:.3f} [{r['tpot_vs_baseline_min']:.3f}–{r['tpot_vs_baseline_max']:.3f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.tpot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="fullkv,qevict")
+    parser.add_argument("--baseline", default="fullkv", help="the method ratios are taken against (one of --methods)")
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--contexts", default="4096")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "tpot"))
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    specs = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.baseline not in specs:
+        raise ValueError(f"--baseline must be one of --methods {specs} (got {args.baseline!r})")
+    for spec in specs:  # bad paths fail before anything runs, with the allowed values
+        QEvictConfig(kernels=parse_spec(spec)[1])
+    if args.rounds < 1 or args.new_tokens < 2:
+        raise ValueError(f"--rounds must be >= 1 and --new-tokens >= 2 (got {args.rounds}, {args.new_tokens})")
+    model, tokenizer, meta = load(args.model, args.device, args.threads)
+    lanes = [(spec, b) for spec in specs for _, b in method_lanes([parse_spec(spec)[0]], [args.budget])]
+    rows = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        rows += run(model, tokenizer, lanes, context, args.new_tokens, args.rounds, args.baseline)
+    for row in rows:
+        print(f"{row['context']:>6} {row['method']:18s} tpot={1000 * row['tpot']:.1f} ms "
+              f"x{args.baseline}={row['tpot_vs_baseline']:.3f}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"tpot-{meta['device'].split(':')[0]}-{(args.model or 'smollm2').replace(':', '-')}"
+    (out / f"{stem}.jsonl").write_text("".join(json.dumps({**r, **meta}) + "\n" for r in rows))
+    (out / f"{stem}.md").write_text(table(rows, meta))
+    print(f"wrote {out / (stem + '.md')}")
+
+
+if __name__ == "__main__":
+    main()
