@@ -11,8 +11,9 @@ Work is split over KV heads across ``torch.get_num_threads()`` threads (ctypes r
 The ``*_varlen`` entries take the heads of one layer whose tiers differ in length, packed head after head in one
 tensor per field with each head's length (``qevict_head``): one call per layer, padded columns at -inf.
 
-``quant_logits_reference`` and ``quant_values_reference`` (and their ``_varlen`` forms) are the same math in
-PyTorch, in a chosen dtype.
+``fold_varlen`` adds such a layer's decode-step window masses to its heads' score tables (Eq. 1), the last of its
+per-step work that was many small PyTorch operations. ``quant_logits_reference`` and ``quant_values_reference``
+(and their ``_varlen`` forms, and ``fold_varlen_reference``) are the same math in PyTorch, in a chosen dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu") / "quant_decode.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+MAX_OMEGA = 256  # quant_decode.c's MAX_OMEGA: the longest window fold_varlen sums on the stack
 
 
 class KernelUnavailable(RuntimeError):
@@ -84,7 +86,8 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL:
     lib.quant_values.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR] + [_I64] * 6
     lib.quant_logits_varlen.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float]
     lib.quant_values_varlen.argtypes = [_PTR, _I64] + [_PTR] * 3 + [_I64] + [_PTR] * 2 + [_I64] * 5
-    for fn in (lib.quant_logits, lib.quant_values, lib.quant_logits_varlen, lib.quant_values_varlen):
+    lib.fold_varlen.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR] + [_I64] * 5
+    for fn in (lib.quant_logits, lib.quant_values, lib.quant_logits_varlen, lib.quant_values_varlen, lib.fold_varlen):
         fn.restype = ctypes.c_int
     return lib
 
@@ -111,14 +114,17 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qevict-cpu")
 
 
-def _over_heads(call, heads: int) -> None:
-    """call(h0, h1) over [0, heads), split across torch's thread count; a nonzero return is a bad shape."""
+def _over_heads(call, heads: int, refused: str | None = None) -> None:
+    """call(h0, h1) over [0, heads), split across torch's thread count; a nonzero return is a bad shape, or (where
+    ``refused`` says what) bad input that only the C side checks."""
     workers = min(torch.get_num_threads(), heads)
     if workers <= 1:
         codes = [call(0, heads)]
     else:
         bounds = [heads * i // workers for i in range(workers + 1)]
         codes = list(_pool(workers).map(call, bounds[:-1], bounds[1:]))
+    if any(codes) and refused:
+        raise ValueError(refused)
     if any(codes):  # the C side re-checks what _shape checked: reaching this is a bug, not bad input
         raise RuntimeError("quant_decode.c refused shapes that the Python checks accepted")
 
@@ -281,6 +287,39 @@ def quant_values_varlen(probs: torch.Tensor, v_codes: torch.Tensor, v_scale: tor
     return out
 
 
+def fold_varlen(probs: torch.Tensor, table: torch.Tensor, q_ids: list[torch.Tensor], f_ids: list[torch.Tensor],
+                width_q: int, sinks: int, first_recent: int, recent: int, omega: int) -> None:
+    """Eq. 1's fold of one decode step for the KV heads of one layer (qevict_head), in place, in the layout its
+    decode step gives the probabilities: probs (H, R, stride) float32, head h's quantized windows (ids q_ids[h]) in
+    columns [0, Ω·len(q_ids[h])), its ``sinks`` keys from column ``width_q`` (no window), then its full windows
+    (ids f_ids[h]) and the ``recent`` keys of windows first_recent, first_recent + 1, ... (the last may be
+    partial); anything after them is padding and not read. table (H, W) float32: each window's mass, averaged
+    over the R rows (a KV head's query heads), is added to table[h, id]. Window ids are int32, distinct within a
+    head, and < W."""
+    h, r, stride = probs.shape
+    if not 1 <= omega <= MAX_OMEGA:
+        raise ValueError(f"fold_varlen: Ω must lie in [1, {MAX_OMEGA}] (got {omega})")
+    if len(q_ids) != h or len(f_ids) != h or table.shape[0] != h or table.dim() != 2:
+        raise ValueError(f"one table row and one pair of id lists per head: probs has {h} heads, table "
+                         f"{tuple(table.shape)}, {len(q_ids)} and {len(f_ids)} id lists")
+    probs = _check("probs", probs, torch.float32)
+    if table.device.type != "cpu" or table.dtype != torch.float32 or not table.is_contiguous():
+        raise ValueError(f"table must be a contiguous CPU float32 tensor, added to in place (got {table.dtype} "
+                         f"on {table.device})")
+    q_ids = [_check("q_ids", ids, torch.int32) for ids in q_ids]
+    f_ids = [_check("f_ids", ids, torch.int32) for ids in f_ids]
+    n_q = (ctypes.c_int64 * h)(*(ids.numel() * omega for ids in q_ids))
+    n_f = (ctypes.c_int64 * h)(*(ids.numel() for ids in f_ids))
+    q_ptrs = (ctypes.c_void_p * h)(*(ids.data_ptr() for ids in q_ids))
+    f_ptrs = (ctypes.c_void_p * h)(*(ids.data_ptr() for ids in f_ids))
+    lib = _library()
+    _over_heads(lambda h0, h1: lib.fold_varlen(probs.data_ptr(), stride, r, n_q, q_ptrs, width_q, sinks, n_f, f_ptrs,
+                                               first_recent, recent, table.data_ptr(), table.shape[1], omega, h,
+                                               h0, h1), h,
+                refused=f"fold_varlen: the tiers need more than the {stride} probability columns, or a window id is "
+                        f"outside [0, {table.shape[1]}) (the table's windows)")
+
+
 def _dequantize(codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
     unpacked = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
@@ -340,3 +379,18 @@ def quant_values_varlen_reference(probs, v_codes, v_scale, v_zero, lengths, bits
                         for head, (n, codes, scale, zero) in enumerate(zip(
                             lengths, _split(v_codes, lengths, d * bits // 8), _split(v_scale, lengths, 1),
                             _split(v_zero, lengths, 1)))])
+
+
+def fold_varlen_reference(probs, table, q_ids, f_ids, width_q, sinks, first_recent, recent, omega,
+                          dtype=torch.float32):
+    """:func:`fold_varlen` in PyTorch, one head at a time, computed in ``dtype``: the updated table (a copy)."""
+    out, rows = table.to(dtype).clone(), probs.shape[1]
+    mass = probs.to(dtype).sum(dim=1)  # (H, stride): each key's mass over the head's rows
+    for h, (qi, fi) in enumerate(zip(q_ids, f_ids)):
+        n_q, fp = qi.numel() * omega, width_q + sinks
+        recent_windows = torch.arange(first_recent, first_recent + -(-recent // omega))
+        keys = torch.cat([mass[h, :n_q], mass[h, fp:fp + fi.numel() * omega + recent]])
+        keys = torch.nn.functional.pad(keys, (0, -keys.numel() % omega))
+        ids = torch.cat([qi.long().flatten(), fi.long().flatten(), recent_windows])
+        out[h].index_add_(0, ids, keys.view(-1, omega).sum(dim=1) / rows)
+    return out

@@ -35,7 +35,11 @@ class Scorer:
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
         S_t = S_{t-Ω} + u_t, built up step by step."""
-        table.scatter_add_(1, ids, mass)
+        self.mass_table(table, interval).scatter_add_(1, ids, mass)
+
+    def mass_table(self, table: torch.Tensor, interval: torch.Tensor | None) -> torch.Tensor:
+        """The table a step's attention mass is added to (for a kernel that folds it itself)."""
+        return table
 
     def settle(self, table: torch.Tensor, interval: torch.Tensor | None) -> None:
         """Before a routing event ranks the table."""
@@ -96,8 +100,8 @@ class PNormScorer(Scorer):
     p: float = 3.0
     keeps_interval = True
 
-    def fold(self, table, interval, ids, mass):
-        interval.scatter_add_(1, ids, mass)
+    def mass_table(self, table, interval):
+        return interval
 
     def settle(self, table, interval):
         table.add_(interval.pow(self.p))
@@ -123,7 +127,7 @@ class KeyNormScorer(Scorer):
         per_window = -norms.mean(dim=(1, 3))  # (B, n)
         table.scatter_(1, window_ids.long().expand(b, -1), per_window)
 
-    def fold(self, table, interval, ids, mass):
+    def mass_table(self, table, interval):
         raise RuntimeError("keynorm needs no attention mass")
 
 

@@ -148,6 +148,52 @@ def test_the_bit_arithmetic_widening_reads_float16_as_the_compilers_does(monkeyp
                                                   "k_zero": narrow["k_zero"].float()}), expected)
 
 
+FOLDS = [  # quantized windows per head, full windows per head, recent keys, rows (G), Ω, sinks
+    ((97, 13, 0), (5, 0, 9), 37, 3, 8, 5), ((4, 4), (2, 2), 8, 1, 8, 4), ((0, 0, 3), (1, 3, 0), 1, 5, 7, 0),
+]
+
+
+@pytest.mark.parametrize("n_q,n_f,recent,rows,omega,sinks", FOLDS)
+def test_fold_varlen_adds_each_heads_window_masses_to_its_row(n_q, n_f, recent, rows, omega, sinks):
+    """Random probabilities in qevict_head's decode layout (padded quantized part, sinks, full windows, recent keys,
+    padding): the C fold adds what the PyTorch reference adds, and nothing lands outside the heads' windows."""
+    g = torch.Generator().manual_seed(sum(n_q) + recent)
+    heads, windows = len(n_q), 400
+    width_q = max(n_q) * omega
+    stride = width_q + sinks + max(n_f) * omega + recent + 11  # 11 padded columns after the longest head
+    probs = torch.rand(heads, rows, stride, generator=g)
+    ids = [torch.randperm(windows - 10, generator=g)[:q + f].to(torch.int32) for q, f in zip(n_q, n_f)]
+    q_ids = [i[:q].unsqueeze(0) for i, q in zip(ids, n_q)]  # as the heads keep them: (1, n) rows
+    f_ids = [i[q:].unsqueeze(0) for i, q in zip(ids, n_q)]
+    args = dict(q_ids=q_ids, f_ids=f_ids, width_q=width_q, sinks=sinks, first_recent=windows - 10, recent=recent,
+                omega=omega)
+    table = torch.rand(heads, windows, generator=g)
+    expected64 = cpu_decode.fold_varlen_reference(probs, table, **args, dtype=torch.float64)
+    expected32 = cpu_decode.fold_varlen_reference(probs, table, **args)
+    got = table.clone()
+    cpu_decode.fold_varlen(probs, got, **args)
+    assert_within_float32_error(got, expected64, expected32)
+    touched = (got != table).sum(dim=1).tolist()
+    assert touched == [q + f + -(-recent // omega) for q, f in zip(n_q, n_f)]
+
+
+def test_fold_varlen_refuses_what_does_not_fit():
+    probs, table = torch.rand(2, 3, 40), torch.zeros(2, 50)
+    ids = [torch.tensor([[3, 4]], dtype=torch.int32), torch.tensor([[5, 60]], dtype=torch.int32)]
+    none = [torch.zeros(1, 0, dtype=torch.int32)] * 2
+    with pytest.raises(ValueError, match=r"a window id is outside \[0, 50\)"):
+        cpu_decode.fold_varlen(probs, table, none, ids, 0, 5, 10, 3, 8)
+    with pytest.raises(ValueError, match="need more than the 40 probability columns"):
+        cpu_decode.fold_varlen(probs, table, none, none, 0, 5, 10, 36, 8)
+    with pytest.raises(ValueError, match="one table row and one pair of id lists per head"):
+        cpu_decode.fold_varlen(probs, table[:1], none, none, 0, 5, 10, 3, 8)
+    with pytest.raises(ValueError, match=r"Ω must lie in \[1, 256\] \(got 300\)"):
+        cpu_decode.fold_varlen(probs, table, none, none, 0, 5, 0, 3, 300)
+    with pytest.raises(ValueError, match="table must be a contiguous CPU float32 tensor"):
+        cpu_decode.fold_varlen(probs, table.double(), none, none, 0, 5, 10, 3, 8)
+    assert not table.any()  # nothing was added by a refused call
+
+
 def test_varlen_refuses_a_tier_that_does_not_fit():
     args, values = varlen_inputs((4, 2), 3, 64, 8, 2)
     with pytest.raises(ValueError, match="width must be at least the longest tier, 32 keys"):

@@ -218,3 +218,55 @@ int quant_values_varlen(const float *probs, int64_t stride, const uint8_t *const
     }
     return 0;
 }
+
+#define MAX_OMEGA 256
+
+/* One window's mass: each key's probability summed over the rows (row-wise adds of contiguous keys, which
+ * vectorise), then the keys [at, at + keys) summed in order. */
+INLINE float window_mass(const float *p, int64_t stride, int64_t rows, int64_t at, int64_t keys) {
+    float key[MAX_OMEGA];
+    for (int64_t j = 0; j < keys; j++) key[j] = p[at + j];
+    for (int64_t r = 1; r < rows; r++)
+        for (int64_t j = 0; j < keys; j++) key[j] += p[r * stride + at + j];
+    float mass = 0.0f;
+    for (int64_t j = 0; j < keys; j++) mass += key[j];
+    return mass;
+}
+
+/* Eq. 1's fold for the heads of one layer laid out as quant_logits_varlen's callers lay them out: probs (H, R, stride)
+ * with head h's quantized windows in columns [0, n_q[h]) (ids q_ids[h]), its sinks from column ``width_q`` (no
+ * window), then its n_f[h] full windows (ids f_ids[h]) and ``recent`` keys in windows first_recent, first_recent + 1,
+ * ... (the last may be partial). Each window's mass, averaged over the R query rows, is added to table[h][id]
+ * (table rows ``table_stride`` apart). Heads [h0, h1) of ``heads``. */
+int fold_varlen(const float *probs, int64_t stride, int64_t rows, const int64_t *n_q, const int32_t *const *q_ids,
+                int64_t width_q, int64_t sinks, const int64_t *n_f, const int32_t *const *f_ids, int64_t first_recent,
+                int64_t recent, float *table, int64_t table_stride, int64_t omega, int64_t heads, int64_t h0,
+                int64_t h1) {
+    if (omega <= 0 || omega > MAX_OMEGA || rows <= 0 || recent < 0 || first_recent < 0) return 1;
+    for (int64_t h = 0; h < heads; h++) { /* every head, whatever [h0, h1): a refused call writes nothing */
+        const int64_t fp = width_q + sinks + n_f[h] * omega;
+        const int64_t n_recent = (recent + omega - 1) / omega;
+        if (n_q[h] < 0 || n_q[h] % omega || n_q[h] > width_q || n_f[h] < 0 || fp + recent > stride ||
+            first_recent + n_recent > table_stride) return 1;
+        for (int64_t w = 0; w < n_q[h] / omega; w++)
+            if (q_ids[h][w] < 0 || q_ids[h][w] >= table_stride) return 1;
+        for (int64_t w = 0; w < n_f[h]; w++)
+            if (f_ids[h][w] < 0 || f_ids[h][w] >= table_stride) return 1;
+    }
+    for (int64_t h = h0; h < h1; h++) {
+        const float *p = probs + h * rows * stride;
+        float *row = table + h * table_stride;
+        const float g = (float)rows;
+        for (int64_t w = 0; w < n_q[h] / omega; w++)
+            row[q_ids[h][w]] += window_mass(p, stride, rows, w * omega, omega) / g;
+        const int64_t full = width_q + sinks;
+        for (int64_t w = 0; w < n_f[h]; w++)
+            row[f_ids[h][w]] += window_mass(p, stride, rows, full + w * omega, omega) / g;
+        const int64_t at = full + n_f[h] * omega;
+        for (int64_t w = 0; w * omega < recent; w++) {
+            const int64_t keys = recent - w * omega < omega ? recent - w * omega : omega;
+            row[first_recent + w] += window_mass(p, stride, rows, at + w * omega, keys) / g;
+        }
+    }
+    return 0;
+}
