@@ -146,9 +146,10 @@ class HeadwiseLayer(ReportingLayer):
             table = self._settle_and_rank()
             cands = [head.candidates()[0] for head in self.heads]  # batch row 0: batch size is 1
             ids = pad_sequence(cands, batch_first=True)  # (H, C), padded with window 0
-            padding = torch.arange(ids.shape[1]) >= torch.tensor([c.numel() for c in cands]).unsqueeze(1)
+            sizes = [c.numel() for c in cands]
+            padding = torch.arange(ids.shape[1]) >= torch.tensor(sizes).unsqueeze(1)
             rank = table.gather(1, ids.long()).masked_fill_(padding, float("-inf"))  # (H, C)
-            order, ranked = self.owner.allot(self.heads, rank)
+            order, ranked = self.owner.allot(self.heads, rank, sizes)
             for h, head in enumerate(self.heads):  # what a head moving on its own ranks by
                 head.rank_table = table[h:h + 1]
             if one_pass:
@@ -198,20 +199,21 @@ class HeadwiseLayer(ReportingLayer):
         return {name: round(sum(c[name] for c in counts) / len(counts)) for name in counts[0]}
 
 
-def split_capacity(ranks: torch.Tensor, total: int, floor: int) -> list[int]:
-    """ranks (H, C): row h holds head h's candidates' ranks best first, then -inf padding. -> slots per head,
-    summing to at most ``total``: each head first gets min(floor, its candidates), then one top-k across heads
-    of the rest takes what is left."""
+def split_capacity(ranks: torch.Tensor, total: int, floor: int, available: list[int] | None = None) -> list[int]:
+    """ranks (H, C): row h holds head h's candidates' ranks best first, then -inf padding (``available[h]`` finite
+    ranks in row h, counted here when not given). -> slots per head, summing to at most ``total``: each head first
+    gets min(floor, its candidates), then one top-k across heads of the rest takes what is left."""
     heads = ranks.shape[0]
-    available = (ranks > float("-inf")).sum(dim=1)
-    counts = available.clamp(max=floor)
-    left = min(total, int(available.sum())) - int(counts.sum())
+    if available is None:
+        available = (ranks > float("-inf")).sum(dim=1).tolist()
+    counts = [min(n, floor) for n in available]
+    left = min(total, sum(available)) - sum(counts)
     if left <= 0 or ranks.shape[1] <= floor:
-        return counts.tolist()
+        return counts
     pool = ranks[:, floor:].T.flatten()  # (slot, head): slot-major ties; what each head's floor did not take
     # pool holds available - counts finite ranks, at least ``left``: the first ``left`` are never padding.
     chosen = pool.sort(descending=True, stable=True).indices[:left]
-    return (counts + torch.bincount(chosen % heads, minlength=heads)).tolist()
+    return [n + extra for n, extra in zip(counts, torch.bincount(chosen % heads, minlength=heads).tolist())]
 
 
 class HeadwiseQEvictCache(QEvictCache):
@@ -244,22 +246,27 @@ class HeadwiseQEvictCache(QEvictCache):
             return own
         return own * (1 - beta) + own.mean(dim=0, keepdim=True) * beta
 
-    def allot(self, heads: list[HeadLayer], rank: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Split the layer's H·K_f and H·K_q over its (settled) heads; ``rank`` (H, C): each head's candidates'
-        ranks, padded with -inf. -> the order in which heads moving one by one must move (those whose windows shrink
-        in bytes first), and the stable descending sort (H, C) of the ranks eligible for the full tier."""
+    def allot(self, heads: list[HeadLayer], rank: torch.Tensor, sizes: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Split the layer's H·K_f and H·K_q over its (settled) heads; ``rank`` (H, C): each head's ``sizes[h]``
+        candidates' ranks (finite), padded with -inf. -> the order in which heads moving one by one must move (those
+        whose windows shrink in bytes first), and the stable descending sort (H, C) of the ranks eligible for the
+        full tier."""
         plan, promotion = self.plan, self.config.promotion
-        in_quant = torch.arange(rank.shape[1]) < torch.tensor([head.quant.num_windows for head in heads]).unsqueeze(1)
+        n_quant = [head.quant.num_windows for head in heads]
+        in_quant = torch.arange(rank.shape[1]) < torch.tensor(n_quant).unsqueeze(1)
         eligible = (rank if promotion else rank.masked_fill(in_quant, float("-inf"))).sort(
             dim=1, descending=True, stable=True)
-        k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.config.head_floor * plan.k_full))
+        k_full = split_capacity(eligible.values, len(heads) * plan.k_full, int(self.config.head_floor * plan.k_full),
+                                sizes if promotion else [n - q for n, q in zip(sizes, n_quant)])
         # What each head's full tier leaves (its best k_full eligible ranks taken out) competes for low-bit slots.
         rest = eligible.values.masked_fill(torch.arange(rank.shape[1]) < torch.tensor(k_full).unsqueeze(1),
                                            float("-inf"))
         if not promotion:
             rest = torch.cat([rest, rank.masked_fill(~in_quant, float("-inf"))], dim=1)
         rest = rest.sort(dim=1, descending=True).values
-        k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.config.head_floor * plan.k_quant))
+        # Every candidate but the head's full tier (without promotion the quantized ones are back in).
+        k_quant = split_capacity(rest, len(heads) * plan.k_quant, int(self.config.head_floor * plan.k_quant),
+                                 [n - k for n, k in zip(sizes, k_full)])
         growth = []
         for h, head in enumerate(heads):
             growth.append((k_full[h] - head.full_ids.shape[1]) * plan.full_window_bytes
