@@ -31,6 +31,7 @@ class Scorer:
     pool: int = 0
     pool_weight: float = 1.0
     pool_scope: str = "event"
+    pool_share: float = 0.0
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
@@ -70,9 +71,13 @@ class Scorer:
 
     def _pooled(self, key: torch.Tensor) -> torch.Tensor:
         """``key`` pooled over ``pool`` windows on either side, a neighbour's key weighted by ``pool_weight`` (γ):
-        max(key(w), γ·(1 - POOL_TIE)·max_{|v-w|<=r} key(v))."""
+        max(key(w), γ·(1 - POOL_TIE)·max_{|v-w|<=r} key(v)), where only windows holding at least ``pool_share`` of
+        their row's total key lend theirs."""
         width = 2 * self.pool + 1
-        flat = key.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
+        lend = key
+        if self.pool_share:
+            lend = key.masked_fill(key < self.pool_share * key.sum(dim=-1, keepdim=True), 0.0)
+        flat = lend.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
         near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
         return torch.maximum(key, near * (self.pool_weight * (1 - POOL_TIE)))
 
@@ -132,7 +137,7 @@ class KeyNormScorer(Scorer):
 
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
-    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope)
+    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope, pool_share=cfg.pool_share)
     return {
         "cumulative": lambda: CumulativeScorer(**pooling),
         "decay": lambda: DecayScorer(**pooling, decay=cfg.decay),
