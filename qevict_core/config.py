@@ -16,6 +16,7 @@ KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
 POOL_SCOPES = ("event", "prompt")
+POOL_DIRECTIONS = ("both", "forward")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class QEvictConfig:
     pool_scope:   when pooling applies: "event" (the ranking is pooled at every routing event) or "prompt" (the
                   prompt's scores are pooled once, into the table, at its routing event, as SnapKV and AdaKV pool
                   their observation window; decode steps then add Eq. 1's unpooled mass).
+    pool_direction: "both" (a window borrows from the r windows on either side) or "forward" (from the r before
+                  it only: a window lends to the text that continues it).
     pool_share:   only a window holding at least this share of its row's total score lends it to its neighbours
                   (0 = every window): a needle's window holds a large share of the attention of the heads that read
                   it, an ordinary window of prose a small one, so pooling then spends slots on the former only.
@@ -89,6 +92,7 @@ class QEvictConfig:
     pool_weight: float = 1.0
     pool_scope: str = "event"
     pool_share: float = 0.0
+    pool_direction: str = "both"
     head_blend: float = 0.5
     head_floor: float = 0.2
     promotion: bool = True
@@ -154,6 +158,8 @@ class QEvictConfig:
         if (isinstance(self.pool_share, bool) or not isinstance(self.pool_share, (int, float))
                 or not 0.0 <= self.pool_share < 1.0):
             raise ValueError(f"pool_share must be a fraction in [0, 1) of a row's total score (got {self.pool_share!r})")
+        if self.pool_direction not in POOL_DIRECTIONS:
+            raise ValueError(f"pool_direction must be one of {POOL_DIRECTIONS} (got {self.pool_direction!r})")
         if self.pool_scope not in POOL_SCOPES:
             raise ValueError(f"pool_scope must be one of {POOL_SCOPES} (got {self.pool_scope!r})")
         for name in ("head_blend", "head_floor"):

@@ -32,6 +32,7 @@ class Scorer:
     pool_weight: float = 1.0
     pool_scope: str = "event"
     pool_share: float = 0.0
+    pool_direction: str = "both"
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
@@ -78,7 +79,11 @@ class Scorer:
         if self.pool_share:
             lend = key.masked_fill(key < self.pool_share * key.sum(dim=-1, keepdim=True), 0.0)
         flat = lend.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
-        near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
+        if self.pool_direction == "forward":  # w borrows from w - r .. w: a window lends to the text continuing it
+            flat = torch.nn.functional.pad(flat, (self.pool, 0), value=float("-inf"))
+            near = torch.nn.functional.max_pool1d(flat, self.pool + 1, stride=1).reshape(key.shape)
+        else:
+            near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
         return torch.maximum(key, near * (self.pool_weight * (1 - POOL_TIE)))
 
 
@@ -137,7 +142,8 @@ class KeyNormScorer(Scorer):
 
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
-    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope, pool_share=cfg.pool_share)
+    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope, pool_share=cfg.pool_share,
+                   pool_direction=cfg.pool_direction)
     return {
         "cumulative": lambda: CumulativeScorer(**pooling),
         "decay": lambda: DecayScorer(**pooling, decay=cfg.decay),

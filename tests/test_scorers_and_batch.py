@@ -121,6 +121,19 @@ def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
     assert torch.equal(make_scorer(QEvictConfig(pool_weight=0.5)).rank(table), table)  # no pooling: γ unread
 
 
+def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
+    """pool_direction="forward": window 3 continues peak 2 and ranks just below it; window 1, before it, keeps its own
+    score (as does window 5 before peak 6, while 7 after it borrows)."""
+    from qevict_core.scorers import make_scorer
+    table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
+    key = make_scorer(QEvictConfig(pool=1, pool_direction="forward")).rank(table)
+    assert key[0, 3] == pytest.approx(5.0 * (1 - 1e-3)) and key[0, 7] == pytest.approx(3.0 * (1 - 1e-3))
+    assert key[0, 1] == pytest.approx(0.1 * (1 - 1e-3)) and key[0, 5] == pytest.approx(0.3 * (1 - 1e-3))
+    assert key[0, 0] == table[0, 0] and key[0, 2] == table[0, 2] and key[0, 6] == table[0, 6]
+    two = make_scorer(QEvictConfig(pool=2, pool_direction="forward")).rank(table)
+    assert two[0, 4] == pytest.approx(5.0 * (1 - 1e-3)) and two[0, 1] == pytest.approx(0.1 * (1 - 1e-3))
+
+
 def test_pool_share_lets_only_a_dominant_window_lend_its_score():
     """The table above sums to 8.65: with pool_share 0.4 only window 2 (5.0, 58%) lends, so its neighbours 1 and 3
     rank just below it while window 6 (3.0, 35%) lends nothing and its neighbours keep their own scores."""
