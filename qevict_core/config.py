@@ -52,9 +52,6 @@ class QEvictConfig:
                   their observation window; decode steps then add Eq. 1's unpooled mass).
     pool_direction: "both" (a window borrows from the r windows on either side) or "forward" (from the r before
                   it only: a window lends to the text that continues it).
-    pool_share:   only a window holding at least this share of its row's total score lends it to its neighbours
-                  (0 = every window): a needle's window holds a large share of the attention of the heads that read
-                  it, an ordinary window of prose a small one, so pooling then spends slots on the former only.
     head_blend:   β of ``qevict_head``: each KV head ranks windows by (1 - β)·its own ranking + β·the mean of its
                   layer's heads' (1 = every head ranks alike, as QEvict's layer does; 0 = its own query group's
                   attention alone).
@@ -91,7 +88,6 @@ class QEvictConfig:
     pool: int = 0
     pool_weight: float = 1.0
     pool_scope: str = "event"
-    pool_share: float = 0.0
     pool_direction: str = "both"
     head_blend: float = 0.5
     head_floor: float = 0.2
@@ -155,9 +151,6 @@ class QEvictConfig:
                 or not 0.0 < self.pool_weight <= 1.0):
             raise ValueError(f"pool_weight must be a fraction in (0, 1], what a neighbour's score counts for in "
                              f"pooling (got {self.pool_weight!r})")
-        if (isinstance(self.pool_share, bool) or not isinstance(self.pool_share, (int, float))
-                or not 0.0 <= self.pool_share < 1.0):
-            raise ValueError(f"pool_share must be a fraction in [0, 1) of a row's total score (got {self.pool_share!r})")
         if self.pool_direction not in POOL_DIRECTIONS:
             raise ValueError(f"pool_direction must be one of {POOL_DIRECTIONS} (got {self.pool_direction!r})")
         if self.pool_scope not in POOL_SCOPES:

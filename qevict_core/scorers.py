@@ -31,7 +31,6 @@ class Scorer:
     pool: int = 0
     pool_weight: float = 1.0
     pool_scope: str = "event"
-    pool_share: float = 0.0
     pool_direction: str = "both"
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
@@ -72,13 +71,10 @@ class Scorer:
 
     def _pooled(self, key: torch.Tensor) -> torch.Tensor:
         """``key`` pooled over ``pool`` windows on either side, a neighbour's key weighted by ``pool_weight`` (γ):
-        max(key(w), γ·(1 - POOL_TIE)·max_{|v-w|<=r} key(v)), where only windows holding at least ``pool_share`` of
-        their row's total key lend theirs."""
+        max(key(w), γ·(1 - POOL_TIE)·max over v of key(v)), v within r windows of w on either side, or (direction
+        "forward") among the r windows before it."""
         width = 2 * self.pool + 1
-        lend = key
-        if self.pool_share:
-            lend = key.masked_fill(key < self.pool_share * key.sum(dim=-1, keepdim=True), 0.0)
-        flat = lend.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
+        flat = key.reshape(-1, 1, key.shape[-1])  # (rows, 1, W): max_pool1d pools the last axis
         if self.pool_direction == "forward":  # w borrows from w - r .. w: a window lends to the text continuing it
             flat = torch.nn.functional.pad(flat, (self.pool, 0), value=float("-inf"))
             near = torch.nn.functional.max_pool1d(flat, self.pool + 1, stride=1).reshape(key.shape)
@@ -142,7 +138,7 @@ class KeyNormScorer(Scorer):
 
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
-    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope, pool_share=cfg.pool_share,
+    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope,
                    pool_direction=cfg.pool_direction)
     return {
         "cumulative": lambda: CumulativeScorer(**pooling),

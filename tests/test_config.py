@@ -33,8 +33,6 @@ from tests.conftest import tiny_model
     ({"pool_weight": 1.5}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_weight": float("nan")}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_weight": True}, r"pool_weight must be a fraction in \(0, 1\]"),
-    ({"pool_share": 1.0}, r"pool_share must be a fraction in \[0, 1\) of a row's total score"),
-    ({"pool_share": -0.1}, r"pool_share must be a fraction in \[0, 1\)"),
     ({"pool_direction": "backward"}, r"pool_direction must be one of \('both', 'forward'\)"),
     ({"pool_scope": "decode"}, r"pool_scope must be one of \('event', 'prompt'\)"),
     ({"head_blend": 1.5}, r"head_blend must be a fraction in \[0, 1\]"),

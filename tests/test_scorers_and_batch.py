@@ -134,18 +134,6 @@ def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
     assert two[0, 4] == pytest.approx(5.0 * (1 - 1e-3)) and two[0, 1] == pytest.approx(0.1 * (1 - 1e-3))
 
 
-def test_pool_share_lets_only_a_dominant_window_lend_its_score():
-    """The table above sums to 8.65: with pool_share 0.4 only window 2 (5.0, 58%) lends, so its neighbours 1 and 3
-    rank just below it while window 6 (3.0, 35%) lends nothing and its neighbours keep their own scores."""
-    from qevict_core.scorers import make_scorer
-    table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
-    key = make_scorer(QEvictConfig(pool=1, pool_share=0.4)).rank(table)
-    assert key[0, 1] == key[0, 3] == pytest.approx(5.0 * (1 - 1e-3))
-    assert torch.equal(key[0, 4:], table[0, 4:]) and key[0, 0] == table[0, 0] and key[0, 2] == table[0, 2]
-    assert torch.equal(make_scorer(QEvictConfig(pool=1, pool_share=0.3)).rank(table),
-                       make_scorer(QEvictConfig(pool=1)).rank(table))  # both peaks lend: the plain pooling
-
-
 @pytest.mark.parametrize("scorer", ["cumulative", "pnorm"])
 def test_prompt_scope_pools_the_table_once_and_ranks_unpooled_after(scorer):
     """pool_scope="prompt": the prompt's event turns the table into its pooled form (pnorm's Σu^p through its
