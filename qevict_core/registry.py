@@ -112,15 +112,21 @@ METHODS: dict[str, MethodSpec] = {
                                "docs/engine.md", "qevict"),
     "qevict_pool": MethodSpec(_qevict("qevict_pool", pool=1), "QEvict with neighbour pooling: a window ranks by the "
                               "largest score of itself and its two neighbours (pool = 1), as SnapKV and AdaKV pool "
-                              "attention; routed per layer (qevict_head's control).",
+                              "attention; routed per layer (qevict_head_pool's control).",
                               "arXiv 2608.05326 + SnapKV's pooling; see docs/engine.md", "qevict"),
-    "qevict_head": MethodSpec(_qevict_head("qevict_head", pool=1), "QEvict routed per KV head: each head ranks "
-                              "windows by its query group's attention blended with the layer's (β = 0.5), pooled over "
-                              "neighbouring windows (pool = 1), and each routing event splits the layer's full and "
-                              "low-bit slots over heads AdaKV-style (floor α = 0.2).",
+    "qevict_head": MethodSpec(_qevict_head("qevict_head", pool=1, pool_direction="forward", pool_weight=0.1,
+                                           head_floor=1.0),
+                              "QEvict routed per KV head: each head ranks windows by its query group's attention "
+                              "blended with the layer's (β = 0.5), a window borrowing a tenth of the score of the "
+                              "window before it (forward pooling, γ = 0.1), every head at the layer's capacities "
+                              "(floor α = 1; the AdaKV split is head_floor < 1).",
                               "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); see qevict_core/head_cache.py", "qevict"),
+    "qevict_head_pool": MethodSpec(_qevict_head("qevict_head_pool", pool=1), "qevict_head's earlier form: pooled "
+                                   "over both neighbours at full weight (pool = 1, γ = 1) and the layer's slots split "
+                                   "over heads AdaKV-style at every routing event (floor α = 0.2).",
+                                   "qevict_core/head_cache.py; docs/engine.md", "qevict"),
     "qevict_head_nopool": MethodSpec(_qevict_head("qevict_head_nopool"), "qevict_head ablation without pooling "
-                                     "(pool = 0): its form before pooling.", "qevict_core/head_cache.py", "qevict"),
+                                     "(pool = 0), AdaKV split (α = 0.2): its form before pooling.", "qevict_core/head_cache.py", "qevict"),
     "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", head_blend=0.0), "qevict_head ablation: each head "
                                   "ranks by its own query group's attention alone (β = 0), without pooling (its first "
                                   "form).", "qevict_core/head_cache.py", "qevict"),
