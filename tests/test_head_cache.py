@@ -43,11 +43,17 @@ def identical_heads(model):
     return model
 
 
-def test_identical_heads_route_exactly_as_one_layer():
+@pytest.mark.parametrize("per_layer,per_head,pooling", [
+    ("qevict_pool", "qevict_head_pool", {}),
+    ("qevict", "qevict_head", dict(pool=1, pool_direction="forward", pool_weight=0.1)),
+], ids=["both-sides-adakv-split", "forward-uniform"])
+def test_identical_heads_route_exactly_as_one_layer(per_layer, per_head, pooling):
+    """Heads that see the same attention make the decisions of one layer pooled the same way."""
     model = identical_heads(tiny_model("llama", 2))
     prompt, new = random_prompt(400), 60
     config = QEvictConfig(budget=0.5, k_full=6, k_quant=12, record_events=True)
-    lanes = [Lane(m, make_cache(m, model, config, max_length=400 + new)) for m in ("qevict_pool", "qevict_head")]
+    lanes = [Lane(per_layer, make_cache(per_layer, model, config.replace(**pooling), max_length=400 + new)),
+             Lane(per_head, make_cache(per_head, model, config, max_length=400 + new))]
     layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [lane], Sampling(max_new_tokens=new))
                               if e.kind == "routing"] for lane in lanes)
     assert len(head_wise) == 2 * len(layer_wise) > 0
@@ -61,8 +67,10 @@ def test_identical_heads_route_exactly_as_one_layer():
 
 def test_each_head_keeps_the_windows_its_own_group_attends_to():
     """Group 0 attends to windows 3 and 4, group 1 to window 9; K_f = K_q = 2 windows per head. Per layer, the three
-    windows compete for two full slots; per head, each head keeps its own. With pooling (qevict_head) head 0's
-    neighbours of 3 and 4 outrank window 9 in the split of full slots, and head 1 keeps 9 in its low-bit tier."""
+    windows compete for two full slots; per head, each head keeps its own. Pooled over both neighbours at full
+    weight with the AdaKV split (qevict_head_pool), head 0's neighbours of 3 and 4 outrank window 9 in the split of
+    full slots, and head 1 keeps 9 in its low-bit tier; at equal capacities (qevict_head) each head's full tier is
+    its own."""
     model = tiny_model("llama", 2)
     n_prompt = SINKS + 12 * OMEGA + RECENT
     keys = keys_for(range(n_prompt))
@@ -70,7 +78,7 @@ def test_each_head_keeps_the_windows_its_own_group_attends_to():
     query = torch.stack([toward[h // 2] * 6.0 for h in range(4)])[None, :, None].expand(1, 4, n_prompt, -1)
     config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, prefill_window=0, record_events=True)
     full, kept = {}, {}
-    for method in ("qevict", "qevict_head_nopool", "qevict_head"):
+    for method in ("qevict", "qevict_head_nopool", "qevict_head_pool", "qevict_head"):
         cache = make_cache(method, model, config, max_length=400)
         cache.plan = dataclasses.replace(cache.plan, k_full=2, k_quant=2, keeps_dormant=True, uncompressed=False)
         module = model.model.layers[0].self_attn
@@ -81,14 +89,16 @@ def test_each_head_keeps_the_windows_its_own_group_attends_to():
         kept[method] = [set(e.full) | set(e.quantized) for e in events]
     assert full["qevict_head_nopool"][0] == {3, 4} and 9 in full["qevict_head_nopool"][1]
     assert not {3, 4, 9} <= full["qevict"][0]
-    assert {3, 4} <= full["qevict_head"][0] and 9 in kept["qevict_head"][1]
+    assert {3, 4} <= full["qevict_head_pool"][0] and 9 in kept["qevict_head_pool"][1]
+    assert full["qevict_head"][0] == {3, 4} and 9 in full["qevict_head"][1]
 
 
+@pytest.mark.parametrize("method", ["qevict_head", "qevict_head_pool"])
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads):
+def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads, method):
     model = tiny_model("llama", kv_heads)
     prompt_len, new = 700, 120
-    cache = make_cache("qevict_head", model, QEvictConfig(budget=0.15), max_length=prompt_len + new)
+    cache = make_cache(method, model, QEvictConfig(budget=0.15), max_length=prompt_len + new)
     plan = cache.plan
     for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [Lane("h", cache)],
                                 Sampling(max_new_tokens=new)):
@@ -101,8 +111,12 @@ def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads):
         assert sum(a[1] for a in allotted) == kv_heads * plan.k_quant
         assert [h.full_ids.shape[1] for h in layer.heads] == [a[0] for a in allotted]
     summary = cache.summary()
-    assert summary["head_k_full_max"] > summary["head_k_full_min"] or summary["head_k_quant_max"] > summary[
-        "head_k_quant_min"], "random heads should not all get the uniform share"
+    if cache.config.head_floor == 1.0:  # every head at the layer's capacities
+        assert summary["head_k_full_max"] == summary["head_k_full_min"] == plan.k_full
+        assert summary["head_k_quant_max"] == summary["head_k_quant_min"] == plan.k_quant
+    else:
+        assert summary["head_k_full_max"] > summary["head_k_full_min"] or summary["head_k_quant_max"] > summary[
+            "head_k_quant_min"], "random heads should not all get the uniform share"
 
 
 def test_a_budget_that_holds_everything_is_exact():

@@ -153,7 +153,7 @@ def test_prompt_scope_pools_the_table_once_and_ranks_unpooled_after(scorer):
     assert torch.equal(untouched, table)
 
 
-@pytest.mark.parametrize("method", ["qevict_pool", "qevict_head"])
+@pytest.mark.parametrize("method", ["qevict_pool", "qevict_head_pool"])
 def test_prompt_scope_routes_the_prompt_as_every_event_pooling_does_and_decode_unpooled(method):
     """The prompt's event ranks the same pooled scores under both scopes, so its decisions are the same; after it the
     "prompt" scope's table holds the pooled prompt scores (the other's does not), and decode ranks differ."""
@@ -171,5 +171,5 @@ def test_prompt_scope_routes_the_prompt_as_every_event_pooling_does_and_decode_u
     first = [e for e in events["event"] if e[0] == 0]
     assert first and first == [e for e in events["prompt"] if e[0] == 0]
     assert not torch.equal(tables["event"], tables["prompt"])
-    if method == "qevict_head":  # on this tiny model per-layer decisions after the prompt happen to coincide
+    if method == "qevict_head_pool":  # on this tiny model per-layer decisions after the prompt happen to coincide
         assert events["event"] != events["prompt"]
