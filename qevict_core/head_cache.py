@@ -9,14 +9,18 @@ Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking
 (β = ``QEvictConfig.head_blend``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
 a head keeps only what its own group attended to while scoring, and on RULER-style retrieval at 5% the copy heads
 then lost the needle's later digits (docs/engine.md has the measurement). The registered ``qevict_head`` also pools
-the ranking over neighbouring windows (``QEvictConfig.pool = 1``, applied by the scorer before the blend), so a head
-that keeps a needle's window keeps the window that continues it; without pooling per-head routing lost to
-per-layer routing on this model's retrieval prompts, with it it wins (docs/engine.md).
+the ranking forward (``QEvictConfig.pool = 1``, ``pool_direction = "forward"``, ``pool_weight = 0.1``, applied by
+the scorer before the blend): a window ranks by at least a tenth of the score of the window before it, so a head
+that keeps a needle's window tends to keep the window that continues it. Without pooling per-head routing lost to
+per-layer routing on this model's retrieval prompts; pooling both neighbours at full weight (``qevict_head_pool``)
+won retrieval but cost next-token fidelity at 5%, which the forward, tenth-weight form was chosen to avoid
+(docs/engine.md, "Pooling's cost, and the form chosen").
 
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's
 H·K_f full and H·K_q quantized slots are split over its heads, AdaKV-style: each head first gets its
-best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = ``QEvictConfig.head_floor``, 0.2), then the
+best-ranked floor(α·K_f) full and floor(α·K_q) quantized windows (α = ``QEvictConfig.head_floor``, 0.2 by default,
+1 in the registered ``qevict_head``, where every head keeps K_f and K_q and nothing is left to split), then the
 remaining slots go to the best-ranked remaining windows of the whole layer, whichever head they belong to (one
 top-k across heads; on equal
 ranks the better slot within its head first, then the lower head, so identical heads get identical shares). The
