@@ -96,7 +96,7 @@ def render(result: dict, out: Path) -> Path:
     fig.savefig(out / "fmm_curve.png", dpi=120)
     plt.close(fig)
     figure.update_layout(xaxis={"title": "decode step"}, yaxis={"title": "FMM"}, template="plotly_white")
-    figure.write_html(out / "fmm_curve.html", include_plotlyjs="cdn")
+    figure.write_html(out / "fmm_curve.html", include_plotlyjs="cdn", div_id="fmm_curve")  # stable on re-runs
     fig, ax = plt.subplots(figsize=(6, 3.5))
     tiers, colors = ["full", "quantized", "local", "evicted"], ["#16a34a", "#f59e0b", "#3b82f6", "#ef4444"]
     names = list(conds)

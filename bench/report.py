@@ -119,7 +119,8 @@ def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
     plt.close(fig)
     figure.update_layout(title=title, xaxis={"title": "measured KV bytes / FullKV", "type": "log"},
                          yaxis={"title": ylabel}, template="plotly_white")
-    figure.write_html(stem.with_suffix(".html"), include_plotlyjs="cdn")
+    # A fixed div id (plotly draws a random one) so that re-rendering unchanged results leaves the file unchanged.
+    figure.write_html(stem.with_suffix(".html"), include_plotlyjs="cdn", div_id=stem.name)
 
 
 def fidelity_report(rows: list[dict], out: Path) -> Path:

@@ -195,6 +195,10 @@ def test_report_renders_every_fidelity_folder(tmp_path):
     assert "| qevict @10% | 0.100 | — | 1 | 0.2500 |" in (tmp_path / "fidelity" / "fidelity_table.md").read_text()
     assert "| qevict @10% | 0.100 | — | 1 | 0.5000 |" in (tmp_path / "fidelity_other" / "fidelity_table.md").read_text()
     assert list((tmp_path / "speed").iterdir()) == []
+    # Unchanged results render to unchanged files, so a re-render touches nothing in git.
+    first = {f: f.read_bytes() for f in tmp_path.rglob("fidelity_pareto.*")}
+    report.main(["--results", str(tmp_path)])
+    assert len(first) == 4 and all(f.read_bytes() == data for f, data in first.items())
 
 
 def test_drift_bins_per_passage_and_resumes(tmp_path):
