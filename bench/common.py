@@ -24,7 +24,7 @@ def split_chunk(spec: str) -> tuple[str, int | None]:
 
 def split_overrides(spec: str) -> tuple[str, dict]:
     """A lane name ``method[+field=value...]`` -> (method, QEvictConfig fields to change for it), values read as
-    JSON (``qevict_head+pool_weight=0.5``), so one run can set a method beside its variants on the same passages."""
+    JSON (``qevict_head+head_blend=0.75``), so one run can set a method beside its variants on the same passages."""
     from qevict_core import QEvictConfig
 
     name, *changes = spec.split("+")

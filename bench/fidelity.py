@@ -3,7 +3,7 @@
     python -m bench.fidelity --methods fullkv,streamingllm,snapkv,h2o,adakv,defensivekv,kivi2,qevict \\
         --budgets 0.05,0.1,0.2 --prefill 2048 --steps 256 --passages 5 --out bench/results/fidelity
     python -m bench.fidelity --methods qevict,qevict/256 ...   # the prompt read in chunks of 256 (prefill.py)
-    python -m bench.fidelity --methods qevict_head,qevict_head+pool_weight=0.5 ...   # a config field changed
+    python -m bench.fidelity --methods qevict_head,qevict_head+head_blend=0.75 ...  # a config field changed
 
 Each passage of a natural text (Austen, ``--spacing`` sentences apart) is prefilled, then its next ``steps`` tokens
 are fed one at a time through every cache. At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
