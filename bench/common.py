@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,42 +15,70 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def split_chunk(spec: str) -> tuple[str, int | None]:
-    """A lane spec ``method[/N]`` -> (method, N: read the prompt in chunks of N tokens, or None: whole)."""
-    name, slash, chunk = spec.partition("/")
-    if slash and not (chunk.isdigit() and int(chunk) >= 1):
-        raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
-    return name, int(chunk) if slash else None
+@dataclass(frozen=True)
+class Variant:
+    """A benchmark lane, named ``method[+field=value...][@path][/N]``: the one way every benchmark names what it runs.
 
+    ``method`` is a registered method (``qevict_core.list_methods(ablations=True)``); ``+field=value`` changes a
+    ``QEvictConfig`` field for this lane, the value read as JSON (``qevict+bits=4+scale_dtype=float16``); ``@path``
+    forces the low-bit tier's attention path (``@torch``, ``@cpu``, ``@triton``); ``/N`` reads the prompt in chunks of
+    N tokens (``qevict_core.prefill``). A registered method may fix a field (``r1`` fixes Ω = 1): a lane that asks
+    otherwise is refused rather than silently measuring something else."""
 
-def split_overrides(spec: str) -> tuple[str, dict]:
-    """A lane name ``method[+field=value...]`` -> (method, QEvictConfig fields to change for it), values read as
-    JSON (``qevict_head+head_blend=0.75``), so one run can set a method beside its variants on the same passages."""
-    from qevict_core import QEvictConfig
+    spec: str
+    method: str
+    fields: dict
+    kernels: str
+    chunk: int | None
 
-    name, *changes = spec.split("+")
-    fields = {}
-    for change in changes:
-        field, equals, text = change.partition("=")
-        if not (equals and field and text):
-            raise ValueError(f"{spec!r}: each change after '+' must be field=value (got {change!r})")
-        try:
-            fields[field] = json.loads(text)
-        except json.JSONDecodeError:
-            fields[field] = text
-    QEvictConfig.from_dict(fields)  # unknown fields and bad values fail here, with what is allowed
-    return name, fields
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        from qevict_core import QEvictConfig
+        from qevict_core.registry import method_info
 
+        rest, slash, chunk = spec.strip().partition("/")
+        if slash and not (chunk.isdigit() and int(chunk) >= 1):
+            raise ValueError(f"{spec!r}: the prefill chunk after '/' must be a whole number of tokens >= 1")
+        rest, _, kernels = rest.partition("@")
+        name, *changes = rest.split("+")
+        method_info(name)  # unknown names fail here, with the list of known ones
+        fields = {}
+        for change in changes:
+            field, equals, text = change.partition("=")
+            if not (equals and field and text):
+                raise ValueError(f"{spec!r}: each change after '+' must be field=value (got {change!r})")
+            try:
+                fields[field] = json.loads(text)
+            except json.JSONDecodeError:
+                fields[field] = text
+        QEvictConfig.from_dict({**fields, "kernels": kernels or "auto"})  # unknown fields, bad values: refused here
+        return cls(spec.strip(), name, fields, kernels or "auto", int(chunk) if slash else None)
 
-def check_overrides(cache, spec: str, fields: dict) -> None:
-    """A registered method may fix a field (qevict_head fixes pool = 1): a lane that asks otherwise is refused
-    rather than silently measuring something else."""
-    config = getattr(cache, "config", None)
-    if fields and config is None:
-        raise ValueError(f"{spec!r}: {cache.method} takes no QEvictConfig fields")
-    for field, value in fields.items():
-        if getattr(config, field) != value:
-            raise ValueError(f"{spec!r}: {cache.method} fixes {field} = {getattr(config, field)!r}")
+    @property
+    def budgeted(self) -> bool:
+        """Whether the method takes a byte budget (FullKV and the quantization baselines run once)."""
+        from qevict_core.registry import method_info
+
+        return method_info(self.method).family in ("qevict", "eviction")
+
+    def config(self, budget: float | None, **extra):
+        from qevict_core import QEvictConfig
+
+        return QEvictConfig(budget=budget or 1.0, kernels=self.kernels, **{**self.fields, **extra})
+
+    def make_cache(self, model, budget: float | None, max_length: int, batch_size: int = 1, **extra):
+        """A fresh cache of this lane; refused when the method fixes a field the lane changes."""
+        from qevict_core import make_cache
+
+        cache = make_cache(self.method, model, self.config(budget, **extra), max_length=max_length,
+                           batch_size=batch_size)
+        config = getattr(cache, "config", None)
+        if self.fields and config is None:
+            raise ValueError(f"{self.spec!r}: {self.method} takes no QEvictConfig fields")
+        for field, value in self.fields.items():
+            if getattr(config, field) != value:
+                raise ValueError(f"{self.spec!r}: {self.method} fixes {field} = {getattr(config, field)!r}")
+        return cache
 
 
 def setup(model_name: str | None, device: str | None, threads: int | None, dtype: str | None = None):
@@ -123,13 +152,11 @@ def default_device() -> str | None:
     return None
 
 
-def method_lanes(methods: list[str], budgets: list[float]) -> list[tuple[str, float | None]]:
-    """(method, budget) cells: methods without a byte budget (fullkv, KIVI) run once."""
-    from qevict_core.registry import METHODS, method_info
-
+def method_lanes(specs: list[str], budgets: list[float]) -> list[tuple[str, float | None]]:
+    """(lane spec, budget) cells: lanes whose method takes no byte budget (fullkv, KIVI) run once. Every spec is
+    parsed first, so a bad one fails before anything runs."""
     cells = []
-    for method in methods:
-        method_info(method)  # unknown names fail here, with the list of known ones
-        budgeted = METHODS[method].family in ("qevict", "eviction")
-        cells += [(method, b) for b in budgets] if budgeted else [(method, None)]
+    for spec in specs:
+        variant = Variant.parse(spec)
+        cells += [(variant.spec, b) for b in budgets] if variant.budgeted else [(variant.spec, None)]
     return cells

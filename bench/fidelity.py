@@ -20,14 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from qevict_core import QEvictConfig, make_cache
+from qevict_core import make_cache
 from qevict_core.prefill import check_chunk
 from qevict_core.prefill import prefill as read_prompt
 from qevict_core.shared_prefill import forward_lanes
 
 from . import report
-from .common import (RESULTS, add_model_args, append_jsonl, check_overrides, method_lanes, read_jsonl, setup,
-                     split_chunk, split_overrides)
+from .common import RESULTS, Variant, add_model_args, append_jsonl, method_lanes, read_jsonl, setup
 from .ruler_tasks import essay_sentences
 
 
@@ -54,18 +53,15 @@ def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, fl
     A lane named ``method/N`` reads the prompt alone in chunks of N tokens (``qevict_core.prefill``); the others
     share one prefill with the FullKV reference."""
     steps = tokens.shape[1] - prefill
-    specs = [split_chunk(m) for m, _ in lanes]
-    variants = [split_overrides(name) for name, _ in specs]
-    caches = [make_cache(name, model, QEvictConfig(budget=b or 1.0, **fields), max_length=tokens.shape[1])
-              for (name, fields), (_, b) in zip(variants, lanes)]
-    for cache, (spec, _), (_, fields), (_, chunk) in zip(caches, lanes, variants, specs):
-        check_overrides(cache, spec, fields)
-        check_chunk(cache, chunk)
+    variants = [Variant.parse(spec) for spec, _ in lanes]
+    caches = [v.make_cache(model, b, tokens.shape[1]) for v, (_, b) in zip(variants, lanes)]
+    for cache, variant in zip(caches, variants):
+        check_chunk(cache, variant.chunk)
     everyone = [make_cache("fullkv", model, None, max_length=tokens.shape[1])] + caches  # row 0: the reference
-    forward_lanes(model, tokens[:, :prefill], everyone[:1] + [c for c, (_, k) in zip(caches, specs) if k is None])
-    for cache, (_, chunk) in zip(caches, specs):
-        if chunk is not None:
-            read_prompt(model, tokens[:, :prefill], cache, chunk)
+    forward_lanes(model, tokens[:, :prefill], everyone[:1] + [c for c, v in zip(caches, variants) if v.chunk is None])
+    for cache, variant in zip(caches, variants):
+        if variant.chunk is not None:
+            read_prompt(model, tokens[:, :prefill], cache, variant.chunk)
     kl, top1, nll = torch.zeros(len(everyone)), torch.zeros(len(everyone)), torch.zeros(len(everyone))
     kl_steps, top1_steps = [], []
     for t in tqdm(range(prefill, tokens.shape[1]), desc="fidelity", unit="step", leave=False):
@@ -110,8 +106,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     budgets = [float(b) for b in args.budgets.split(",")]
-    lanes = [(spec, b) for spec in (m.strip() for m in args.methods.split(","))
-             for _, b in method_lanes([split_overrides(split_chunk(spec)[0])[0]], budgets)]
+    lanes = method_lanes([m for m in args.methods.split(",") if m.strip()], budgets)
     out = Path(args.out)
     path = out / "fidelity.jsonl"
     # Resumable: a passage (by its offset) already in the file is not run again.

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core import Lane, Sampling, generate_lanes
 
 from . import report
-from .common import (RESULTS, add_model_args, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl,
+from .common import (RESULTS, Variant, add_model_args, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl,
                      setup)
 from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, build, string_match_all
 
@@ -74,7 +74,7 @@ def cell_key(row: dict) -> tuple:
 
 def run(args) -> None:
     out = Path(args.out)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
     tasks = list(DEFAULT_TASKS) if args.tasks == "default" else [t.strip() for t in args.tasks.split(",")]
@@ -102,7 +102,7 @@ def run(args) -> None:
         runs = []
         for method, budget in todo:
             try:
-                cache = make_cache(method, model, QEvictConfig(budget=budget or 1.0), max_length=max_length)
+                cache = Variant.parse(method).make_cache(model, budget, max_length)
             except ValueError as err:
                 tqdm.write(f"skip {method}@{budget} {task} {length}: {err}")
                 continue

@@ -42,11 +42,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
+from qevict_core import BudgetTooSmall
 from qevict_core.fast_path import kernel_path
 from qevict_core.prefill import prefill
 
-from .common import RESULTS, add_model_args, default_device, method_lanes, run_metadata, setup, split_chunk
+from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
 
 RANDOM_MODELS = {  # shapes of public 7-8B models, random weights: no download needed
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -129,18 +129,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def parse_spec(spec: str) -> tuple[str, str, int | None]:
-    """``name[@path][/chunk]`` -> (name, path, prefill chunk or None)."""
-    rest, chunk = split_chunk(spec)
-    name, _, kernels = rest.partition("@")
-    return name, kernels or "auto", chunk
-
-
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:
     device = prompt.device
-    name, kernels, chunk = parse_spec(method)
-    cache = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels),
-                       max_length=prompt.shape[1] + new_tokens, batch_size=prompt.shape[0])
+    variant = Variant.parse(method)
+    chunk = variant.chunk
+    cache = variant.make_cache(model, budget, prompt.shape[1] + new_tokens, batch_size=prompt.shape[0])
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -242,10 +235,8 @@ def main(argv=None) -> None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by glibc when each run's process starts
         meta["mmap_threshold"] = args.mmap_threshold
     specs = [m.strip() for m in args.methods.split(",")]
-    for spec in specs:  # bad paths and chunks fail before anything runs, with the allowed values
-        QEvictConfig(kernels=parse_spec(spec)[1])
-    lanes = [(spec, b) for spec in specs for m, b in method_lanes([parse_spec(spec)[0]], [args.budget])
-             if args.batch == 1 or m not in ("adakv", "defensivekv", "layer_defensivekv")]
+    lanes = [(spec, b) for spec, b in method_lanes(specs, [args.budget])  # bad specs fail here, before any run
+             if args.batch == 1 or Variant.parse(spec).method not in ("adakv", "defensivekv", "layer_defensivekv")]
     budget_of = dict(lanes)  # None for methods without a byte budget (fullkv, the quantization baselines)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:

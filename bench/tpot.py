@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from qevict_core import QEvictConfig, make_cache
 from qevict_core.prefill import prefill
 
-from .common import RESULTS, add_model_args, method_lanes
-from .speed import load, parse_spec, prompt_ids, routing_overhead, sync
+from .common import RESULTS, Variant, add_model_args, method_lanes
+from .speed import load, prompt_ids, routing_overhead, sync
 
 
 def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, float | None]],
@@ -39,10 +38,9 @@ def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, floa
     caches, tokens, steps = {}, {}, {}
     with torch.inference_mode():
         for spec, budget in lanes:
-            name, kernels, chunk = parse_spec(spec)
-            caches[spec] = make_cache(name, model, QEvictConfig(budget=budget or 1.0, kernels=kernels),
-                                      max_length=prompt.shape[1] + new_tokens)
-            tokens[spec] = prefill(model, prompt, caches[spec], chunk).argmax(-1, keepdim=True)
+            variant = Variant.parse(spec)
+            caches[spec] = variant.make_cache(model, budget, prompt.shape[1] + new_tokens)
+            tokens[spec] = prefill(model, prompt, caches[spec], variant.chunk).argmax(-1, keepdim=True)
             steps[spec] = []
         order = [spec for spec, _ in lanes]
         for step in range(new_tokens - 1):
@@ -111,12 +109,10 @@ def main(argv=None) -> None:
     specs = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.baseline not in specs:
         raise ValueError(f"--baseline must be one of --methods {specs} (got {args.baseline!r})")
-    for spec in specs:  # bad paths fail before anything runs, with the allowed values
-        QEvictConfig(kernels=parse_spec(spec)[1])
     if args.rounds < 1 or args.new_tokens < 2:
         raise ValueError(f"--rounds must be >= 1 and --new-tokens >= 2 (got {args.rounds}, {args.new_tokens})")
+    lanes = method_lanes(specs, [args.budget])  # bad specs fail before anything runs, with the allowed values
     model, tokenizer, meta = load(args.model, args.device, args.threads)
-    lanes = [(spec, b) for spec in specs for _, b in method_lanes([parse_spec(spec)[0]], [args.budget])]
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         rows += run(model, tokenizer, lanes, context, args.new_tokens, args.rounds, args.baseline)

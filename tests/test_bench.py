@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from bench import diagnostics, drift, fidelity, needle_tiers, ruler, ruler_variants, speed
-from bench.common import parse_shard, read_jsonl
+from bench import diagnostics, drift, fidelity, needle_tiers, ruler, speed
+from bench.common import Variant, parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
-from qevict_core.testing import tiny_tokenizer
+from qevict_core.testing import tiny_chat_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -73,26 +73,26 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     assert fullkv_row.split(" | ")[2] == "—"
 
 
-def test_ruler_variants_run_each_config_beside_fullkv_and_refuse_unknown_fields(tmp_path, capsys):
-    out = tmp_path / "variants.jsonl"
-    common = ["--model", "tiny", "--budget", "0.3", "--length", "1024", "--tasks", "niah_single_1", "--samples", "2",
-              "--out", str(out), "--variants", '{"int4": {"bits": 4}, "q90": {"q_frac": 0.9}, '
-              '"head": {"bits": 4, "per_head": 0.5}}']
-    ruler_variants.main(common + ["--shard", "0/2"])
-    ruler_variants.main(common + ["--shard", "1/2"])
-    rows = read_jsonl([out])
-    assert sorted((r["variant"], r["sample"]) for r in rows) == sorted(
-        (v, s) for v in ("fullkv", "int4", "q90", "head") for s in (0, 1))
-    config = {r["variant"]: r["config"] for r in rows}
-    assert config["int4"]["bits"] == 4 and config["q90"]["q_frac"] == 0.9 and config["fullkv"] is None
-    assert config["head"]["bits"] == 4 and {r["variant"]: r["per_head"] for r in rows}["head"] == 0.5
+def test_a_variant_is_a_method_with_changed_fields_and_a_bad_one_is_refused_before_any_run(tmp_path):
+    common = ["--model", "tiny", "--budgets", "0.3", "--lengths", "1024", "--tasks", "niah_single_1", "--samples", "2",
+              "--out", str(tmp_path), "--methods", "fullkv,qevict+bits=4,qevict+q_frac=0.9,qevict_head+bits=4"]
+    ruler.main(common + ["--shard", "0/2"])
+    ruler.main(common + ["--shard", "1/2"])
+    rows = read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))
+    lanes = ("fullkv", "qevict+bits=4", "qevict+q_frac=0.9", "qevict_head+bits=4")
+    assert sorted((r["method"], r["sample"]) for r in rows) == sorted((v, s) for v in lanes for s in (0, 1))
     # Routed per head, its capacities count one head's windows, not the layer's.
-    k_quant = {r["variant"]: r["k_quant"] for r in rows}
-    assert 0 < k_quant["head"] and k_quant["head"] != k_quant["int4"]
-    assert all(c["budget"] == 0.3 for v, c in config.items() if c)
-    assert "(2 samples)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="unknown config keys"):
-        ruler_variants.configs({"bad": {"bitz": 4}}, 0.1)
+    k_quant = {r["method"]: r["k_quant"] for r in rows}
+    assert 0 < k_quant["qevict_head+bits=4"] != k_quant["qevict+bits=4"]
+    assert k_quant["qevict+bits=4"] != k_quant["qevict+q_frac=0.9"]
+    assert "qevict+bits=4 @30%" in (tmp_path / "ruler_table.md").read_text()
+    for bad, message in [("qevict+bitz=4", "unknown config keys"), ("qevict+bits=3", "bits must be one of"),
+                         ("qevictt", "unknown method"), ("qevict@gpu", "kernels must be one of"),
+                         ("qevict/0", "prefill chunk")]:
+        with pytest.raises(ValueError, match=message):
+            ruler.main(common[:-1] + [bad])
+    with pytest.raises(ValueError, match="fixes omega = 1"):
+        Variant.parse("r1+omega=8").make_cache(tiny_chat_model(), 0.3, 1024)
 
 
 def test_needle_tiers_finds_the_answer_and_counts_a_tier_per_layer_window(capsys):
