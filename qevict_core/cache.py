@@ -118,8 +118,8 @@ class QEvictLayer(ReportingLayer):
     def _grid(self) -> tuple[int, int]:
         return self.owner.config.sinks, self.owner.config.omega
 
-    def attend(self, module, query, key, value, scaling, dropout):
-        out = self.attend_and_score(module, query, key, value, scaling, dropout)
+    def attend(self, module, query, key, value, scaling, dropout, output=True):
+        out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
         if self.stage is not None:
             self.stage.absorb(self)
         elif self.owner.routed():
@@ -128,15 +128,16 @@ class QEvictLayer(ReportingLayer):
             self.owner.end_forward()
         return out
 
-    def attend_and_score(self, module, query, key, value, scaling, dropout):
-        """This step's attention output, its mass folded into the score table; no routing."""
+    def attend_and_score(self, module, query, key, value, scaling, dropout, output=True):
+        """This step's attention output (None when not ``output`` and it would cost a pass of its own), its mass
+        folded into the score table; no routing."""
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
-            return sdpa_with_positions(module, query, key, value, scaling, dropout)
+            return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
         scored = self.owner.scorer.needs_attention
         query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
         window = self.owner.config.prefill_window
         if self.stage is not None:  # a chunk of the prompt before its last: no observation window in it yet
-            out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             if scored and not window:
                 self.stage.fold(self, kv_head_mass(query, query_pos, key, self.stage.positions(self), scaling),
                                 query.shape[1])
@@ -155,7 +156,7 @@ class QEvictLayer(ReportingLayer):
             out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
             self._fold(mass, query.shape[1])
         else:
-            out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
                 if window and query.shape[2] > window:
                     query, query_pos = query[:, :, -window:], query_pos[-window:]

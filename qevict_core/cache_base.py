@@ -52,9 +52,12 @@ class ReportingLayer(CacheLayerMixin):
     def tier_counts(self) -> dict[str, int]:
         """Tokens per tier (sink, recent, full, quantized, evicted)."""
 
-    def attend(self, module, query, key, value, scaling: float, dropout: float) -> torch.Tensor:
-        """Attention over what ``update`` returned; layers that score or route override this."""
-        return sdpa_with_positions(module, query, key, value, scaling, dropout)
+    def attend(self, module, query, key, value, scaling: float, dropout: float,
+               output: bool = True) -> torch.Tensor | None:
+        """Attention over what ``update`` returned; layers that score or route override this. ``output=False``:
+        the caller discards the output (a lane of a shared prompt forward whose hidden states are another lane's,
+        shared_prefill.py), so a prompt's attention output need not be computed; everything else happens."""
+        return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
 
     def claim(self, keys: torch.Tensor) -> bool:
         """True once for the keys the last ``update`` returned: this attention call belongs to this cache."""

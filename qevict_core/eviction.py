@@ -80,9 +80,11 @@ class EvictionLayer(ReportingLayer):
             return None
         return torch.stack(self.keys, dim=1), torch.stack(self.values, dim=1)  # (B, H, N, D)
 
-    def attend(self, module, query, key, value, scaling, dropout):
+    def attend(self, module, query, key, value, scaling, dropout, output=True):
         dense = self._stacked()
-        if dense is not None:
+        if not output:
+            out = None
+        elif dense is not None:
             out = sdpa_with_positions(module, query, *dense, scaling, dropout)
         else:
             g = module.num_key_value_groups

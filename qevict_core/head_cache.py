@@ -139,12 +139,12 @@ class HeadwiseLayer(ReportingLayer):
             head.quant = view
         self._packed = packed
 
-    def attend(self, module, query, key, value, scaling, dropout):
+    def attend(self, module, query, key, value, scaling, dropout, output=True):
         one_pass = self._parts is None
         if one_pass:
             out, keys, values = head_step.attend(self, query, scaling)
         else:
-            out, parts = self._attend_per_head(module, query, scaling, dropout)
+            out, parts = self._attend_per_head(module, query, scaling, dropout, output)
         self._parts = []
         if self.owner.routed():
             table = self._settle_and_rank()
@@ -181,13 +181,15 @@ class HeadwiseLayer(ReportingLayer):
                     scorer.on_aged(head.scores, aged, head.recent_k[:, :, :aged.shape[1] * self.owner.config.omega])
         return self.owner.blend(self.scores)
 
-    def _attend_per_head(self, module, query, scaling, dropout):
+    def _attend_per_head(self, module, query, scaling, dropout, output=True):
         parts = self._parts
         g = query.shape[1] // len(self.heads)
         outs = []
         for h, (head, (k, v)) in enumerate(zip(self.heads, parts)):
             head.claim(k)  # drops the head's reference to its keys once this step is done with them
-            outs.append(head.attend_and_score(module, query[:, h * g:(h + 1) * g], k, v, scaling, dropout))
+            outs.append(head.attend_and_score(module, query[:, h * g:(h + 1) * g], k, v, scaling, dropout, output))
+        if any(out is None for out in outs):
+            return None, parts
         return torch.cat(outs, dim=2), parts  # (B, L, Hq, D): head h's group of query heads in place
 
     def resident_bytes(self) -> dict[str, int]:

@@ -39,8 +39,10 @@ class _FanOut:
         for row, (layer, (keys, values)) in enumerate(zip(self.layers, self.returned)):
             layer.claim(keys)
             rows = query if self.broadcast else query[row:row + 1]
+            # A shared prompt's next layer reads the first lane's output: the others need not compute theirs.
             with own_time(layer.owner):
-                outputs.append(layer.attend(module, rows, keys, values, scaling, dropout))
+                outputs.append(layer.attend(module, rows, keys, values, scaling, dropout,
+                                            output=not (self.broadcast and row)))
         return outputs[0] if self.broadcast else torch.cat(outputs, dim=0)
 
 

@@ -81,7 +81,7 @@ class ZipCacheLayer(ReportingLayer):
         values = torch.cat([v for _, v in stored] + [self.buf_v], dim=2)
         return keys, values
 
-    def attend(self, module, query, key, value, scaling, dropout):
+    def attend(self, module, query, key, value, scaling, dropout, output=True):
         n_buf, q = self.buf_k.shape[2], query.shape[2]
         # Positions only order the buffer (the stores are older than every query): causality needs no more.
         key_pos = torch.arange(self.seen - key.shape[2], self.seen, device=key.device).expand(key.shape[0], -1)
@@ -89,7 +89,7 @@ class ZipCacheLayer(ReportingLayer):
         if q <= self.owner.stream and dropout == 0.0:
             out, mass = attend_with_mass(query, query_pos, key, key_pos, value, scaling)
         else:  # the prompt: fused attention, its mass in chunks
-            out = sdpa_with_positions(module, query, key, value, scaling, dropout)
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             mass = kv_head_mass(query, query_pos, key, key_pos, scaling)
         self.buf_mass += mass[:, :, -n_buf:]
         if self.channel is None or n_buf >= self.owner.stream:

@@ -79,10 +79,12 @@ def test_multi_token_chunk_after_eviction_stays_causal():
 
 
 def test_lanes_together_give_each_lane_its_solo_result():
-    """One prefill fanned out to six caches, then one batched forward per step = six separate runs."""
+    """One prefill fanned out to ten caches (only the first computes its attention output), then one batched forward
+    per step = ten separate runs."""
     model = tiny_model("llama", 2)
     prompt = random_prompt(500)
-    methods = ["fullkv", "qevict", "snapkv", "h2o", "kivi2", "layer_defensivekv"]
+    methods = ["fullkv", "qevict", "qevict_head", "snapkv", "h2o", "adakv", "kivi2", "kvquant2", "zipcache",
+               "layer_defensivekv"]
     config = QEvictConfig(budget=0.2)
 
     def run(share):
