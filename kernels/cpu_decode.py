@@ -322,7 +322,7 @@ def fold_varlen(probs: torch.Tensor, table: torch.Tensor, q_ids: list[torch.Tens
 
 def _dequantize(codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    unpacked = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+    unpacked = ((codes.unsqueeze(-2) >> shifts[:, None]) & ((1 << bits) - 1)).flatten(-2)  # plane by plane
     return unpacked.to(scale.dtype) * scale + zero
 
 

@@ -1,6 +1,7 @@
 """Triton helpers that read one tile of the write-once ledger: packed codes -> dequantized, re-rotated keys and
 dequantized values, in registers. Layout (see qevict_core.ledger.WindowLedger), per (batch, kv head), contiguous:
-codes (T, D / C) uint8 with C = 8 // BITS codes per byte (code i of a byte at bit BITS * i); key scale/zero
+codes (T, D / C) uint8 with C = 8 // BITS codes per byte (code c of a row in byte c % (D / C) at bit BITS * (c // (D / C)));
+key scale/zero
 (n_windows, D); value scale/zero (T,); window ids (n_windows,) int32; token t belongs to window t // OMEGA at
 position SINKS + id * OMEGA + t % OMEGA."""
 
@@ -10,10 +11,9 @@ import triton.language as tl
 
 @triton.jit
 def load_codes(codes_ptr, tok, dims, tmask, BITS: tl.constexpr, D: tl.constexpr):
-    per_byte: tl.constexpr = 8 // BITS
-    packed = tl.load(codes_ptr + tok[:, None] * (D // per_byte) + (dims // per_byte)[None, :],
-                     mask=tmask[:, None], other=0).to(tl.int32)
-    return ((packed >> ((dims % per_byte) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    row: tl.constexpr = D * BITS // 8  # bytes per row; code c in byte c % row, bit plane c // row
+    packed = tl.load(codes_ptr + tok[:, None] * row + (dims % row)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+    return ((packed >> ((dims // row) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from .attention import use_qevict_attention
 from .budget import KVShape
 from .cache_base import ReportingCache, ReportingLayer
 from .config import QEvictConfig
-from .quant import codes_per_byte, pack
+from .quant import codes_per_byte, pack, planes_to_row
 from .rope import Rope
 
 KMEANS_ITERATIONS = 25
@@ -173,8 +173,8 @@ def _reconstruct(codes, levels, centre, half, outliers, bits) -> torch.Tensor:
     per = codes_per_byte(bits)
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
     table = levels[((torch.arange(256, device=codes.device, dtype=torch.uint8)[:, None] >> shifts) & (2**bits - 1))
-                   .long()]  # (256, per): the levels of every byte's codes
-    normalised = table.index_select(0, codes.reshape(-1).int()).view(b, h, t, p * per)
+                   .long()]  # (256, per): the levels of every byte's codes, plane by plane
+    normalised = planes_to_row(table.index_select(0, codes.reshape(-1).int()).view(b, h, t, p, per))
     out = (normalised * half.float() + centre.float()).to(half.dtype)
     token, lane, value = outliers
     if token.numel():

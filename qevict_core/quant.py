@@ -2,7 +2,10 @@
 
 Keys are quantized per channel across the tokens of a window and values per token across channels (the KIVI
 split, Section 4.3). Codes are packed along the head dimension, ``8 // bits`` codes per byte, so a window's codes
-keep the (batch, kv_heads, seq, packed_dim) layout of the full-precision cache.
+keep the (batch, kv_heads, seq, packed_dim) layout of the full-precision cache. A row of D codes is packed in
+``8 // bits`` bit planes: code c sits in byte c % P at bit bits * (c // P), P = D * bits / 8, so plane k holds the
+codes k*P .. (k+1)*P - 1 in order and a kernel unpacks one plane of a row with one shift and one mask over
+contiguous bytes (for INT4, byte j holds channels j and j + D/2: the two halves that RoPE rotates together).
 """
 
 from __future__ import annotations
@@ -70,28 +73,34 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., D) uint8 codes < 2**bits -> (..., D * bits / 8) bytes; code i of a byte sits at bit bits * i."""
+    """(..., D) uint8 codes < 2**bits -> (..., P) bytes, P = D * bits / 8: code c in byte c % P at bit
+    bits * (c // P) (the module docstring's bit planes)."""
     per = codes_per_byte(bits)
     if codes.shape[-1] % per:
         raise ValueError(f"last dimension {codes.shape[-1]} must be a multiple of {per} to pack {bits}-bit codes")
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    planes = codes.reshape(*codes.shape[:-1], per, codes.shape[-1] // per)  # (..., plane, P)
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+    return (planes << shifts[:, None]).sum(dim=-2, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: (..., P) bytes -> (..., P * 8 / bits) codes."""
-    per = codes_per_byte(bits)
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    return planes_to_row(packed.unsqueeze(-1) >> _shifts(bits, packed.device) & ((1 << bits) - 1))
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, device=device, dtype=torch.uint8)
+
+
+def planes_to_row(per_byte: torch.Tensor) -> torch.Tensor:
+    """(..., P, 8 // bits): the codes of each byte, plane by plane -> (..., D) the row in channel order."""
+    return per_byte.transpose(-1, -2).reshape(*per_byte.shape[:-2], per_byte.shape[-2] * per_byte.shape[-1])
 
 
 @lru_cache(maxsize=16)
 def _code_table(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(256, 8 // bits): the codes of every possible byte, as numbers of ``dtype`` (exact: codes are < 16)."""
-    shifts = torch.arange(0, 8, bits)
-    return ((torch.arange(256)[:, None] >> shifts) & ((1 << bits) - 1)).to(dtype=dtype, device=device)
+    return ((torch.arange(256)[:, None] >> _shifts(bits, "cpu")) & ((1 << bits) - 1)).to(dtype=dtype, device=device)
 
 
 def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
@@ -103,7 +112,7 @@ def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero
     dtype = out.dtype if out is not None else dtype or scale.dtype
     table = _code_table(bits, dtype, packed.device)
     flat = table.index_select(0, packed.reshape(-1).to(torch.int32))  # (numel, 8 // bits)
-    codes = flat.reshape(*packed.shape[:-1], packed.shape[-1] * table.shape[1])
+    codes = planes_to_row(flat.reshape(*packed.shape, table.shape[1]))
     # Not addcmul: it fuses the multiply-add (one rounding), which is not what ``dequantize`` computes.
     if out is None:
         return codes.mul_(scale).add_(zero)

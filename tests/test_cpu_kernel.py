@@ -4,6 +4,8 @@ Tolerances follow flash-attn's tests: the kernel's error against a float64 refer
 multiple of the error that the same math in float32 PyTorch makes, plus a floor for values near zero.
 """
 
+import platform
+
 import pytest
 import torch
 
@@ -146,6 +148,25 @@ def test_the_bit_arithmetic_widening_reads_float16_as_the_compilers_does(monkeyp
     assert torch.equal(cpu_decode.quant_logits(**narrow), expected)
     assert torch.equal(cpu_decode.quant_logits(**{**narrow, "k_scale": narrow["k_scale"].float(),
                                                   "k_zero": narrow["k_zero"].float()}), expected)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-march=x86-64 names an x86 target")
+def test_the_portable_bodies_match_the_reference_where_the_compiler_has_no_avx2(monkeypatch):
+    """The kernel built for a CPU without AVX2 runs its generic bodies on SmolLM2's shapes (head_dim 64, INT2 and
+    INT4): the same results as the reference, to float32 rounding."""
+    portable = cpu_decode.build(tuple(f for f in cpu_decode.FLAGS if not f.startswith("-march")) + ("-march=x86-64",))
+    monkeypatch.setattr(cpu_decode, "_library", lambda: portable)
+    for bits in (2, 4):
+        args, v_codes = ledger_inputs(1, 3, 3, 64, 29, 8, bits)
+        assert_within_float32_error(cpu_decode.quant_logits(**args),
+                                    cpu_decode.quant_logits_reference(**args, dtype=torch.float64),
+                                    cpu_decode.quant_logits_reference(**args))
+        probs = torch.softmax(torch.randn(1, 3, 3, v_codes.shape[2] + 5), -1)
+        v_scale, v_zero = torch.rand(1, 3, v_codes.shape[2], 1) / 4, torch.randn(1, 3, v_codes.shape[2], 1)
+        assert_within_float32_error(cpu_decode.quant_values(probs, v_codes, v_scale, v_zero, bits),
+                                    cpu_decode.quant_values_reference(probs, v_codes, v_scale, v_zero, bits,
+                                                                      dtype=torch.float64),
+                                    cpu_decode.quant_values_reference(probs, v_codes, v_scale, v_zero, bits))
 
 
 FOLDS = [  # quantized windows per head, full windows per head, recent keys, rows (G), Ω, sinks

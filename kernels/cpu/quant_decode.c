@@ -66,14 +66,16 @@ INLINE const float *widen_row(const void *params, int64_t at, int d, int kind, f
     return buf;
 }
 
-static void code_table(int bits, float *table) {
-    int per = 8 / bits, mask = (1 << bits) - 1;
-    for (int byte = 0; byte < 256; byte++)
-        for (int i = 0; i < per; i++) table[byte * per + i] = (float)((byte >> (bits * i)) & mask);
-}
-
-INLINE void unpack_row(const uint8_t *codes, int packed, int per, const float *table, float *out) {
-    for (int j = 0; j < packed; j++) memcpy(out + j * per, table + codes[j] * per, sizeof(float) * per);
+/* One row's codes into floats in channel order. A row of d codes is packed in 8 / bits bit planes (qevict_core/quant.py):
+ * plane k, at bit bits * k of each of the row's ``packed`` bytes, holds channels k * packed .. (k + 1) * packed - 1,
+ * so each plane is a shift and a mask over contiguous bytes, which the compiler vectorises. */
+INLINE void unpack_row(const uint8_t *codes, int packed, int bits, float *out) {
+    const uint8_t mask = (uint8_t)((1 << bits) - 1);
+    for (int k = 0; k < 8 / bits; k++) {
+        float *plane = out + k * packed;
+        const int shift = bits * k;
+        for (int j = 0; j < packed; j++) plane[j] = (float)((uint8_t)(codes[j] >> shift) & mask);
+    }
 }
 
 INLINE float dot(const float *a, const float *b, int d) {
@@ -93,9 +95,8 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const void *k_sc
                         const int bits, int64_t omega, int64_t sinks, float scaling) {
     const int per = 8 / bits, packed = d / per, half = d / 2;
     const int64_t windows = n / omega;
-    float table[256 * 4], key[MAX_D], rot[MAX_D], sc_buf[MAX_D], zc_buf[MAX_D];
+    float key[MAX_D], rot[MAX_D], sc_buf[MAX_D], zc_buf[MAX_D];
     const float *sc = sc_buf, *zc = zc_buf;
-    code_table(bits, table);
     for (int64_t bh = h0; bh < h1; bh++) {
         const int32_t *row_ids = ids + (bh / heads_per_row) * windows;
         const float *qh = q + bh * rows * d;
@@ -107,7 +108,7 @@ INLINE void logits_body(const float *q, const uint8_t *k_codes, const void *k_sc
                 zc = widen_row(k_zero, (bh * windows + w) * d, d, kind, zc_buf);
             }
             const float *c = cos + pos * d, *s = sin + pos * d;
-            unpack_row(k_codes + (bh * n + t) * packed, packed, per, table, key);
+            unpack_row(k_codes + (bh * n + t) * packed, packed, bits, key);
             for (int i = 0; i < d; i++) key[i] = key[i] * sc[i] + zc[i];
             for (int i = 0; i < half; i++) rot[i] = key[i] * c[i] - key[i + half] * s[i];
             for (int i = 0; i < half; i++) rot[i + half] = key[i + half] * c[i + half] + key[i] * s[i + half];
@@ -120,15 +121,14 @@ INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_cod
                         const void *v_zero, int kind, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
                         const int d, const int bits) {
     const int per = 8 / bits, packed = d / per;
-    float table[256 * 4], value[MAX_D];
-    code_table(bits, table);
+    float value[MAX_D];
     for (int64_t bh = h0; bh < h1; bh++) {
         float *oh = out + bh * rows * d;
         const float *ph = probs + bh * rows * stride;
         memset(oh, 0, sizeof(float) * rows * d);
         for (int64_t t = 0; t < n; t++) {
             const float sc = widen(v_scale, bh * n + t, kind), zc = widen(v_zero, bh * n + t, kind);
-            unpack_row(v_codes + (bh * n + t) * packed, packed, per, table, value);
+            unpack_row(v_codes + (bh * n + t) * packed, packed, bits, value);
             for (int i = 0; i < d; i++) value[i] = value[i] * sc + zc;
             for (int64_t r = 0; r < rows; r++) {
                 const float p = ph[r * stride + t];
@@ -139,22 +139,139 @@ INLINE void values_body(const float *probs, int64_t stride, const uint8_t *v_cod
     }
 }
 
-/* Constant head_dim and bits for the shapes of today's small and 7-8B models; anything else runs generic. */
-#define DISPATCH(BODY, D, BITS, ...)                                                   \
-    if ((D) == 64 && (BITS) == 2) BODY(__VA_ARGS__, 64, 2);                            \
-    else if ((D) == 64 && (BITS) == 4) BODY(__VA_ARGS__, 64, 4);                       \
-    else if ((D) == 128 && (BITS) == 2) BODY(__VA_ARGS__, 128, 2);                     \
-    else if ((D) == 128 && (BITS) == 4) BODY(__VA_ARGS__, 128, 4);                     \
-    else BODY(__VA_ARGS__, (int)(D), (int)(BITS));
+#if defined(__AVX2__) && defined(__F16C__)
+/* The same two passes in AVX2 for head_dim 64 and 128: a key or value row lives in D / 8 registers from its codes to
+ * its dot products. Dequantization and rotation round as above (a multiply, then an add: no fused multiply-add);
+ * the dot products and the value sums use fused multiply-adds, another order of float rounding than BLAS's. */
+#include <immintrin.h>
+#define QEVICT_AVX2 1
 
-#define LOGITS(...) logits_body(q, k_codes, k_scale, k_zero, kind, ids, cos, sin, out, n, heads_per_row, h0, h1,  \
-                                rows, n, __VA_ARGS__, omega, sinks, scaling)
-#define LOGITS_ONE(...) logits_body(q + h * rows * d, k_codes[h], k_scale[h], k_zero[h], kind, ids[h], cos, sin,   \
-                                    out + h * rows * stride, stride, 1, 0, 1, rows, n[h], __VA_ARGS__, omega, sinks, \
-                                    scaling)
-#define VALUES_ONE(...) values_body(probs + h * rows * stride, stride, v_codes[h], v_scale[h], v_zero[h], kind,      \
-                                    out + h * rows * d, 0, 1, rows, n[h], __VA_ARGS__)
-#define VALUES(...) values_body(probs, stride, v_codes, v_scale, v_zero, kind, out, h0, h1, rows, n, __VA_ARGS__)
+INLINE __m256 bytes_to_floats(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); } /* low 8 bytes */
+
+/* A row of D codes (bit planes, quant.py) -> D / 8 vectors of 8 floats in channel order. */
+INLINE void codes_row(const uint8_t *c, const int d, const int bits, __m256 *out) {
+    const int packed = d * bits / 8, per = 8 / bits;
+    const __m128i mask = _mm_set1_epi8((char)((1 << bits) - 1));
+    for (int chunk = 0; chunk < packed / 16; chunk++) { /* 16 bytes: 16 channels of each plane */
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + 16 * chunk));
+        for (int k = 0; k < per; k++) {
+            const __m128i plane = _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(bits * k)), mask);
+            const int at = (k * packed + 16 * chunk) / 8;
+            out[at] = bytes_to_floats(plane);
+            out[at + 1] = bytes_to_floats(_mm_srli_si128(plane, 8));
+        }
+    }
+}
+
+/* 8 scales or zero-points of ``kind`` at element ``i`` as floats (exact widening). */
+INLINE __m256 params8(const void *p, int64_t i, int kind) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+#ifdef QEVICT_BITWISE_HALF
+    if (kind == 1) {
+        float wide[8];
+        for (int l = 0; l < 8; l++) wide[l] = half_to_float(((const uint16_t *)p)[i + l]);
+        return _mm256_loadu_ps(wide);
+    }
+#else
+    if (kind == 1) return _mm256_cvtph_ps(h);
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE void logits_avx2(const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero, int kind,
+                        const int32_t *ids, const float *cos, const float *sin, float *out, int64_t out_stride,
+                        int64_t heads_per_row, int64_t h0, int64_t h1, int64_t rows, int64_t n, const int d,
+                        const int bits, int64_t omega, int64_t sinks, float scaling) {
+    const int nv = d / 8, half = nv / 2, packed = d * bits / 8;
+    const int64_t windows = n / omega;
+    __m256 sc[16], zc[16], key[16], rot[16];
+    for (int64_t bh = h0; bh < h1; bh++) {
+        const int32_t *row_ids = ids + (bh / heads_per_row) * windows;
+        const float *qh = q + bh * rows * d;
+        float *oh = out + bh * rows * out_stride;
+        for (int64_t w = 0; w < windows; w++) {
+            for (int i = 0; i < nv; i++) {
+                sc[i] = params8(k_scale, (bh * windows + w) * d + 8 * i, kind);
+                zc[i] = params8(k_zero, (bh * windows + w) * d + 8 * i, kind);
+            }
+            for (int64_t j = 0; j < omega; j++) {
+                const int64_t t = w * omega + j, pos = sinks + (int64_t)row_ids[w] * omega + j;
+                const float *c = cos + pos * d, *s = sin + pos * d;
+                codes_row(k_codes + (bh * n + t) * packed, d, bits, key);
+                for (int i = 0; i < nv; i++) key[i] = _mm256_add_ps(_mm256_mul_ps(key[i], sc[i]), zc[i]);
+                for (int i = 0; i < half; i++) {
+                    rot[i] = _mm256_sub_ps(_mm256_mul_ps(key[i], _mm256_loadu_ps(c + 8 * i)),
+                                           _mm256_mul_ps(key[i + half], _mm256_loadu_ps(s + 8 * i)));
+                    rot[i + half] = _mm256_add_ps(_mm256_mul_ps(key[i + half], _mm256_loadu_ps(c + 8 * (i + half))),
+                                                  _mm256_mul_ps(key[i], _mm256_loadu_ps(s + 8 * (i + half))));
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *qr = qh + r * d;
+                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), rot[0]);
+                    for (int i = 1; i < nv; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * i), rot[i], acc);
+                    oh[r * out_stride + t] = hsum(acc) * scaling;
+                }
+            }
+        }
+    }
+}
+
+INLINE void values_avx2(const float *probs, int64_t stride, const uint8_t *v_codes, const void *v_scale,
+                        const void *v_zero, int kind, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
+                        const int d, const int bits) {
+    const int nv = d / 8, packed = d * bits / 8;
+    __m256 value[16];
+    for (int64_t bh = h0; bh < h1; bh++) {
+        float *oh = out + bh * rows * d;
+        const float *ph = probs + bh * rows * stride;
+        memset(oh, 0, sizeof(float) * rows * d);
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 sc = _mm256_set1_ps(widen(v_scale, bh * n + t, kind));
+            const __m256 zc = _mm256_set1_ps(widen(v_zero, bh * n + t, kind));
+            codes_row(v_codes + (bh * n + t) * packed, d, bits, value);
+            for (int i = 0; i < nv; i++) value[i] = _mm256_add_ps(_mm256_mul_ps(value[i], sc), zc);
+            for (int64_t r = 0; r < rows; r++) {
+                const __m256 p = _mm256_set1_ps(ph[r * stride + t]);
+                float *o = oh + r * d;
+                for (int i = 0; i < nv; i++)
+                    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(p, value[i], _mm256_loadu_ps(o + 8 * i)));
+            }
+        }
+    }
+}
+#define LOGITS_FAST logits_avx2
+#define VALUES_FAST values_avx2
+#else
+#define LOGITS_FAST logits_body
+#define VALUES_FAST values_body
+#endif
+
+/* Constant head_dim and bits for the shapes of today's small and 7-8B models, on the AVX2 bodies where the compiler
+ * targets AVX2; anything else runs the generic bodies. */
+#define DISPATCH(BODY, D, BITS, ...)                                                   \
+    if ((D) == 64 && (BITS) == 2) BODY(__VA_ARGS__, FAST, 64, 2);                      \
+    else if ((D) == 64 && (BITS) == 4) BODY(__VA_ARGS__, FAST, 64, 4);                 \
+    else if ((D) == 128 && (BITS) == 2) BODY(__VA_ARGS__, FAST, 128, 2);               \
+    else if ((D) == 128 && (BITS) == 4) BODY(__VA_ARGS__, FAST, 128, 4);               \
+    else BODY(__VA_ARGS__, GENERIC, (int)(D), (int)(BITS));
+#define LOGITS_GENERIC logits_body
+#define VALUES_GENERIC values_body
+
+#define LOGITS(KIND, ...) LOGITS_##KIND(q, k_codes, k_scale, k_zero, kind, ids, cos, sin, out, n, heads_per_row, h0,  \
+                                        h1, rows, n, __VA_ARGS__, omega, sinks, scaling)
+#define LOGITS_ONE(KIND, ...) LOGITS_##KIND(q + h * rows * d, k_codes[h], k_scale[h], k_zero[h], kind, ids[h], cos, \
+                                            sin, out + h * rows * stride, stride, 1, 0, 1, rows, n[h], __VA_ARGS__,  \
+                                            omega, sinks, scaling)
+#define VALUES_ONE(KIND, ...) VALUES_##KIND(probs + h * rows * stride, stride, v_codes[h], v_scale[h], v_zero[h],  \
+                                            kind, out + h * rows * d, 0, 1, rows, n[h], __VA_ARGS__)
+#define VALUES(KIND, ...) VALUES_##KIND(probs, stride, v_codes, v_scale, v_zero, kind, out, h0, h1, rows, n, __VA_ARGS__)
 #define UNUSED 0
 
 static int bad_shape(int64_t d, int64_t bits, int64_t kind) {
@@ -168,7 +285,7 @@ int quant_logits(const float *q, const uint8_t *k_codes, const void *k_scale, co
                  int64_t h0, int64_t h1, int64_t rows, int64_t n, int64_t d, int64_t bits, int64_t omega,
                  int64_t sinks, float scaling) {
     if (bad_shape(d, bits, kind) || omega <= 0 || n % omega) return 1;
-#define LOGITS_AT(unused, D, BITS) LOGITS(D, BITS)
+#define LOGITS_AT(unused, KIND, D, BITS) LOGITS(KIND, D, BITS)
     DISPATCH(LOGITS_AT, d, bits, UNUSED)
     return 0;
 }
@@ -179,7 +296,7 @@ int quant_values(const float *probs, int64_t stride, const uint8_t *v_codes, con
                  const void *v_zero, int64_t kind, float *out, int64_t h0, int64_t h1, int64_t rows, int64_t n,
                  int64_t d, int64_t bits) {
     if (bad_shape(d, bits, kind) || stride < n) return 1;
-#define VALUES_AT(unused, D, BITS) VALUES(D, BITS)
+#define VALUES_AT(unused, KIND, D, BITS) VALUES(KIND, D, BITS)
     DISPATCH(VALUES_AT, d, bits, UNUSED)
     return 0;
 }
@@ -196,7 +313,7 @@ int quant_logits_varlen(const float *q, const uint8_t *const *k_codes, const voi
     for (int64_t h = h0; h < h1; h++)
         if (n[h] < 0 || n[h] % omega || n[h] > stride) return 1;
     for (int64_t h = h0; h < h1; h++) {
-#define LOGITS_ONE_AT(unused, D, BITS) LOGITS_ONE(D, BITS)
+#define LOGITS_ONE_AT(unused, KIND, D, BITS) LOGITS_ONE(KIND, D, BITS)
         DISPATCH(LOGITS_ONE_AT, d, bits, UNUSED)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t t = n[h]; t < stride; t++) out[(h * rows + r) * stride + t] = -__builtin_inff();
@@ -213,7 +330,7 @@ int quant_values_varlen(const float *probs, int64_t stride, const uint8_t *const
     for (int64_t h = h0; h < h1; h++)
         if (n[h] < 0 || n[h] > stride) return 1;
     for (int64_t h = h0; h < h1; h++) {
-#define VALUES_ONE_AT(unused, D, BITS) VALUES_ONE(D, BITS)
+#define VALUES_ONE_AT(unused, KIND, D, BITS) VALUES_ONE(KIND, D, BITS)
         DISPATCH(VALUES_ONE_AT, d, bits, UNUSED)
     }
     return 0;
