@@ -172,8 +172,6 @@ class QEvictLayer(ReportingLayer):
         """Finish the score table for ranking: the scorer's interval, then the windows leaving the recent region."""
         scorer = self.owner.scorer
         scorer.settle(self.scores, self.interval)
-        if self.owner.step == 0:  # the prompt's event
-            scorer.pool_prompt(self.scores)
         if scorer.reads_aged_keys:
             aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
             if aged.shape[1]:

@@ -97,6 +97,7 @@ class ReportingCache(Cache):
 
     method = "base"
     chunked_prefill: str | None = None
+    config = None  # the QEvictConfig it runs with, after its method's own settings; None where it reads none
 
     def __init__(self, layers: list[ReportingLayer], model, shape: KVShape, max_length: int,
                  budget_bytes: int | None):

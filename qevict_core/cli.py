@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import BITS, POOL_DIRECTIONS, POOL_SCOPES, SCALE_DTYPES, SCORERS, QEvictConfig
+from .config import BITS, POOL_DIRECTIONS, SCALE_DTYPES, SCORERS, QEvictConfig
 from .events import DoneEvent, TokenEvent
 from .generate import Lane, Sampling, generate_lanes
 from .registry import list_methods, make_cache
@@ -52,8 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "qevict_head and qevict_pool set 1)")
     gen.add_argument("--pool-weight", type=float, default=DEFAULTS.pool_weight,
                      help="what a neighbour's score counts for in pooling, in (0, 1]")
-    gen.add_argument("--pool-scope", default=DEFAULTS.pool_scope,
-                     help=f"one of {POOL_SCOPES}: pool the ranking at every routing event, or the prompt's scores once")
     gen.add_argument("--pool-direction", default=DEFAULTS.pool_direction,
                      help=f"one of {POOL_DIRECTIONS}: borrow from neighbours on either side, or from earlier ones only")
     gen.add_argument("--no-promotion", action="store_true", help="one-way Full -> Quantized -> Evicted")
@@ -80,7 +78,7 @@ def run_generate(args) -> dict:
     config = QEvictConfig(budget=args.budget, omega=args.omega, sinks=args.sinks, recent=args.recent,
                           q_frac=args.q_frac, coverage=args.coverage, bits=args.bits, scale_dtype=args.scale_dtype,
                           scorer=args.scorer, pool=args.pool, pool_weight=args.pool_weight,
-                          pool_scope=args.pool_scope, pool_direction=args.pool_direction,
+                          pool_direction=args.pool_direction,
                           promotion=not args.no_promotion)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()

@@ -15,7 +15,6 @@ SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
-POOL_SCOPES = ("event", "prompt")
 POOL_DIRECTIONS = ("both", "forward")
 
 
@@ -47,9 +46,6 @@ class QEvictConfig:
                   max(s(w), γ·max of its neighbourhood). 1 ranks a neighbour just below the peak it borrows from;
                   a smaller γ lets a neighbour of a strong peak in, and one of a weak peak compete with other
                   windows. Read only when ``pool`` > 0.
-    pool_scope:   when pooling applies: "event" (the ranking is pooled at every routing event) or "prompt" (the
-                  prompt's scores are pooled once, into the table, at its routing event, as SnapKV and AdaKV pool
-                  their observation window; decode steps then add Eq. 1's unpooled mass).
     pool_direction: "both" (a window borrows from the r windows on either side) or "forward" (from the r before
                   it only: a window lends to the text that continues it).
     head_blend:   β of ``qevict_head``: each KV head ranks windows by (1 - β)·its own ranking + β·the mean of its
@@ -87,7 +83,6 @@ class QEvictConfig:
     scorer: str = "cumulative"
     pool: int = 0
     pool_weight: float = 1.0
-    pool_scope: str = "event"
     pool_direction: str = "both"
     head_blend: float = 0.5
     head_floor: float = 0.2
@@ -153,8 +148,6 @@ class QEvictConfig:
                              f"pooling (got {self.pool_weight!r})")
         if self.pool_direction not in POOL_DIRECTIONS:
             raise ValueError(f"pool_direction must be one of {POOL_DIRECTIONS} (got {self.pool_direction!r})")
-        if self.pool_scope not in POOL_SCOPES:
-            raise ValueError(f"pool_scope must be one of {POOL_SCOPES} (got {self.pool_scope!r})")
         for name in ("head_blend", "head_floor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:

@@ -201,6 +201,7 @@ class EvictionCache(ReportingCache):
         self.evicted = 0
         layers = [EvictionLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
+        self.config = config  # what it was made with (make_cache reports it per lane)
 
     def select_across_layers(self) -> None:
         """One top-k over every layer's and head's candidates (Layer-DefensiveKV), then each layer gathers."""

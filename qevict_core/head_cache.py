@@ -172,8 +172,6 @@ class HeadwiseLayer(ReportingLayer):
         leaving the recent region reads each head's) -> (H, W): what each head ranks its windows by."""
         scorer = self.owner.scorer
         scorer.settle(self.scores, self.interval)
-        if self.owner.step == 0:  # the prompt's event
-            scorer.pool_prompt(self.scores)
         if scorer.reads_aged_keys:
             for head in self.heads:
                 aged = head.candidates()[:, head.quant.num_windows + head.full_ids.shape[1]:]

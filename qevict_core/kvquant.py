@@ -197,3 +197,4 @@ class KVQuantCache(ReportingCache):
         shape = KVShape.from_model(model, batch_size)
         layers = [KVQuantLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
+        self.config = config  # what it was made with (make_cache reports it per lane)

@@ -70,7 +70,7 @@ class RowCache(ReportingCache):
         layers = [RowLayer(i, self) for i in range(len(self.rows[0].layers))]
         super().__init__(layers, model, KVShape.from_model(model, batch_size), max_length, None)
         self._sum_budgets()
-        self.method = self.rows[0].method
+        self.method, self.config = self.rows[0].method, self.rows[0].config
         self._pads: list[int] | None = None
 
     def _sum_budgets(self) -> None:

@@ -6,8 +6,7 @@ one step at a time: ``fold`` adds a step's mass as it runs, ``settle`` finishes 
 ranks it and ``carry`` prepares it for the next interval. Only a scorer that transforms a whole interval's mass
 (``keeps_interval``, Eq. 23's power) needs that mass apart from the table until the event: a second (B, W) table,
 charged to the budget like the first. ``ranking`` turns the table into the key that routing sorts by, and ``rank``
-pools that key over neighbouring windows at every event when the config asks for it; with the "prompt" scope the
-prompt's table is pooled once instead (``pool_prompt``).
+pools that key over neighbouring windows at every event when the config asks for it.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ class Scorer:
     reads_aged_keys = False  # on_aged does something: it needs the keys of windows leaving the recent region
     pool: int = 0
     pool_weight: float = 1.0
-    pool_scope: str = "event"
     pool_direction: str = "both"
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
@@ -54,20 +52,10 @@ class Scorer:
     def ranking(self, table: torch.Tensor) -> torch.Tensor:
         return table
 
-    def unranking(self, key: torch.Tensor) -> torch.Tensor:
-        """The table whose ``ranking`` is ``key``."""
-        return key
-
     def rank(self, table: torch.Tensor) -> torch.Tensor:
-        """The key routing sorts by, (..., W): ``ranking``, pooled at every event when ``pool_scope`` is "event"."""
+        """The key routing sorts by, (..., W): ``ranking``, pooled when the config asks for it."""
         key = self.ranking(table)
-        return self._pooled(key) if self.pool and self.pool_scope == "event" else key
-
-    def pool_prompt(self, table: torch.Tensor) -> None:
-        """At the prompt's routing event, with ``pool_scope`` "prompt": the table becomes its pooled form, in place,
-        so that later events rank the prompt's pooled scores plus the unpooled mass of every decode step."""
-        if self.pool and self.pool_scope == "prompt":
-            table.copy_(self.unranking(self._pooled(self.ranking(table))))
+        return self._pooled(key) if self.pool else key
 
     def _pooled(self, key: torch.Tensor) -> torch.Tensor:
         """``key`` pooled over ``pool`` windows on either side, a neighbour's key weighted by ``pool_weight`` (γ):
@@ -116,9 +104,6 @@ class PNormScorer(Scorer):
     def ranking(self, table):
         return table.pow(1.0 / self.p)
 
-    def unranking(self, key):
-        return key.pow(self.p)
-
 
 @dataclass
 class KeyNormScorer(Scorer):
@@ -138,8 +123,7 @@ class KeyNormScorer(Scorer):
 
 
 def make_scorer(cfg: QEvictConfig) -> Scorer:
-    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_scope=cfg.pool_scope,
-                   pool_direction=cfg.pool_direction)
+    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction)
     return {
         "cumulative": lambda: CumulativeScorer(**pooling),
         "decay": lambda: DecayScorer(**pooling, decay=cfg.decay),

@@ -146,3 +146,4 @@ class ZipCacheCache(ReportingCache):
         shape = KVShape.from_model(model, batch_size)
         layers = [ZipCacheLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
+        self.config = config  # what it was made with (make_cache reports it per lane)

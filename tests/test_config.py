@@ -34,7 +34,6 @@ from tests.conftest import tiny_model
     ({"pool_weight": float("nan")}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_weight": True}, r"pool_weight must be a fraction in \(0, 1\]"),
     ({"pool_direction": "backward"}, r"pool_direction must be one of \('both', 'forward'\)"),
-    ({"pool_scope": "decode"}, r"pool_scope must be one of \('event', 'prompt'\)"),
     ({"head_blend": 1.5}, r"head_blend must be a fraction in \[0, 1\]"),
     ({"head_floor": -0.1}, r"head_floor must be a fraction in \[0, 1\]"),
     ({"head_floor": float("nan")}, r"head_floor must be a fraction in \[0, 1\]"),

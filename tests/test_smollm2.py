@@ -89,10 +89,6 @@ def test_cli_reports_bad_budget_readably(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2
     assert "pool must be an integer number of windows >= 0, 0 = no pooling" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--pool-scope", "all"],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2
-    assert "pool_scope must be one of ('event', 'prompt')" in done.stderr
 
 
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
