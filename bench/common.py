@@ -70,14 +70,13 @@ class Variant:
         """A fresh cache of this lane; refused when the method fixes a field the lane changes."""
         from qevict_core import make_cache
 
+        if self.fields and not self.budgeted:  # FullKV and the quantization baselines read no QEvictConfig field
+            raise ValueError(f"{self.spec!r}: {self.method} takes no QEvictConfig fields")
         cache = make_cache(self.method, model, self.config(budget, **extra), max_length=max_length,
                            batch_size=batch_size)
-        config = getattr(cache, "config", None)
-        if self.fields and config is None:
-            raise ValueError(f"{self.spec!r}: {self.method} takes no QEvictConfig fields")
         for field, value in self.fields.items():
-            if getattr(config, field) != value:
-                raise ValueError(f"{self.spec!r}: {self.method} fixes {field} = {getattr(config, field)!r}")
+            if getattr(cache.config, field) != value:
+                raise ValueError(f"{self.spec!r}: {self.method} fixes {field} = {getattr(cache.config, field)!r}")
         return cache
 
 

@@ -58,7 +58,7 @@ def test_cli_json_output_parses(tmp_path):
     prompt.write_text(AUSTEN.read_text()[:3000] + "\n\nWho is Mr. Bennet?")
     done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt-file", str(prompt),
                            "--budget", "0.3", "--max-new-tokens", "12", "--bits", "4", "--scale-dtype", "float16",
-                           "--coverage", "0.7", "--pool", "1", "--pool-weight", "0.5", "--pool-scope", "prompt",
+                           "--coverage", "0.7", "--pool", "1", "--pool-weight", "0.5",
                            "--pool-direction", "forward",
                            "--json"],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
