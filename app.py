@@ -23,7 +23,9 @@ def create_demo(model=None, tokenizer=None, database_url: str | None = None, mod
     store = SessionStore(make_engine(database_url))
     store.mark_interrupted()  # runs cut off by a crash or restart say so instead of "running" forever
     studio = Studio(model, tokenizer, store, model_name or os.environ.get("QEVICT_MODEL") or "SmolLM2-135M-Instruct")
-    return build_demo(studio).queue(default_concurrency_limit=1, max_size=32)
+    # Generation and diagnostics share one model worker (concurrency_id "gpu", limit 1); replays, drawings and the
+    # sessions list run beside it, several at once, so one visitor's long replay never holds another's page.
+    return build_demo(studio).queue(default_concurrency_limit=8, max_size=32)
 
 
 def launch(demo, **kwargs):

@@ -51,7 +51,10 @@ class Variant:
                 fields[field] = json.loads(text)
             except json.JSONDecodeError:
                 fields[field] = text
-        QEvictConfig.from_dict({**fields, "kernels": kernels or "auto"})  # unknown fields, bad values: refused here
+        known = set(QEvictConfig.__dataclass_fields__)
+        if set(fields) - known:  # a retired field too: from_dict reads stored configs that still name one
+            raise ValueError(f"{spec!r}: unknown config keys {sorted(set(fields) - known)}; allowed: {sorted(known)}")
+        QEvictConfig.from_dict({**fields, "kernels": kernels or "auto"})  # bad values: refused here
         return cls(spec.strip(), name, fields, kernels or "auto", int(chunk) if slash else None)
 
     @property

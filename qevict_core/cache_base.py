@@ -133,7 +133,7 @@ class ReportingCache(Cache):
         if self.chunked_prefill is None:
             raise ValueError(f"{self.method} cannot read a prompt in chunks: it decides what to keep from the first "
                              "forward it sees. Chunked prefill works with fullkv and the QEvict family except "
-                             "qevict_head / qevict_head_own, without padded=True; read the prompt whole "
+                             "qevict_head, without padded=True; read the prompt whole "
                              "(prefill_chunk=None) otherwise.")
 
     def read_prompt_chunk(self, more_to_come: bool) -> None:

@@ -26,7 +26,8 @@ def quiet_transformers() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qevict_core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("methods", help="list the cache methods")
+    methods = sub.add_parser("methods", help="list the cache methods")
+    methods.add_argument("--ablations", action="store_true", help="list the ablations the benchmarks run too")
     gen = sub.add_parser("generate", help="generate text through a compressed cache")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
@@ -41,15 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--recent", type=int, default=DEFAULTS.recent)
     gen.add_argument("--q-frac", type=float, default=DEFAULTS.q_frac)
     gen.add_argument("--coverage", type=float, default=DEFAULTS.coverage,
-                     help="size the low-bit tier first to hold this fraction (0, 1] of the windows, instead of "
-                          "splitting by --q-frac")
+                     help="size the low-bit tier first to hold this fraction (0, 1] of the windows; 0 = split the "
+                          "bytes by --q-frac (Eq. 3)")
     gen.add_argument("--bits", type=int, default=DEFAULTS.bits, help=f"one of {BITS}")
     gen.add_argument("--scale-dtype", default=DEFAULTS.scale_dtype,
                      help=f"storage of the low-bit tier's scales and zero-points, one of {SCALE_DTYPES}")
     gen.add_argument("--scorer", default=DEFAULTS.scorer, help=f"one of {SCORERS}")
     gen.add_argument("--pool", type=int, default=DEFAULTS.pool,
-                     help="rank a window by the largest score within this many windows of it (0 = no pooling; "
-                          "qevict_head and qevict_pool set 1)")
+                     help="rank a window by the largest score within this many windows of it (0 = no pooling)")
     gen.add_argument("--pool-weight", type=float, default=DEFAULTS.pool_weight,
                      help="what a neighbour's score counts for in pooling, in (0, 1]")
     gen.add_argument("--pool-direction", default=DEFAULTS.pool_direction,
@@ -76,7 +76,7 @@ def run_generate(args) -> dict:
     from .models import load_model
 
     config = QEvictConfig(budget=args.budget, omega=args.omega, sinks=args.sinks, recent=args.recent,
-                          q_frac=args.q_frac, coverage=args.coverage, bits=args.bits, scale_dtype=args.scale_dtype,
+                          q_frac=args.q_frac, coverage=args.coverage or None, bits=args.bits, scale_dtype=args.scale_dtype,
                           scorer=args.scorer, pool=args.pool, pool_weight=args.pool_weight,
                           pool_direction=args.pool_direction,
                           promotion=not args.no_promotion)
@@ -106,7 +106,7 @@ def run_generate(args) -> dict:
         "memory": cache.memory_report(),
         "tiers": cache.tier_counts(),
         "events_summary": {k: summary.get(k, 0) for k in ("promotions", "demotions", "evictions")},
-        "config": config.to_dict(),
+        "config": cache.config.to_dict(),  # what the lane ran with: the flags, with its method's own fields
         "method": args.method,
     }
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
     if args.command == "methods":
-        for name, description in list_methods().items():
+        for name, description in list_methods(ablations=args.ablations).items():
             print(f"{name:20s} {description}")
         return 0
     try:

@@ -6,15 +6,10 @@ own score table (Eq. 1 averaged over its group), tiers, dormant ledger and routi
 so a head holding more windows than another really holds more bytes, and less is really freed elsewhere.
 
 Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking + β·the mean of the layer's heads'
-(β = ``QEvictConfig.head_blend``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly). With β = 0 (``qevict_head_own``)
-a head keeps only what its own group attended to while scoring, and on RULER-style retrieval at 5% the copy heads
-then lost the needle's later digits (docs/engine.md has the measurement). The registered ``qevict_head`` also pools
-the ranking forward (``QEvictConfig.pool = 1``, ``pool_direction = "forward"``, ``pool_weight = 0.1``, applied by
-the scorer before the blend): a window ranks by at least a tenth of the score of the window before it, so a head
-that keeps a needle's window tends to keep the window that continues it. Without pooling per-head routing lost to
-per-layer routing on this model's retrieval prompts; pooling both neighbours at full weight (``qevict_head_pool``)
-won retrieval but cost next-token fidelity at 5%, which the forward, tenth-weight form was chosen to avoid
-(docs/engine.md, "Pooling's cost, and the form chosen").
+(β = ``QEvictConfig.head_blend``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly; β = 0 keeps
+only what a head's own group attended to). The scorer pools the ranking before the blend (``QEvictConfig.pool``;
+the default pools forward at a tenth of the score), so a head that keeps a needle's window tends to keep the window
+that continues it. docs/history.md has the measurements behind these choices.
 
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's

@@ -6,8 +6,8 @@ config is a comparison at the same ``budget_bytes``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from .budget import BudgetTooSmall, KVShape, plan_tiers
 from .cache import QEvictCache
@@ -30,9 +30,15 @@ class MethodSpec:
     description: str
     reference: str
     family: str  # "reference", "qevict", "eviction" or "quantization"
+    kind: str = "method"  # "method": the product's list; "ablation": runnable by name, for the benchmarks
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # the QEvictConfig fields this method sets itself
+
+    def lane_config(self, config: QEvictConfig) -> QEvictConfig:
+        """The config a lane of this method runs with, given the form's (before any capacity fitting)."""
+        return config.replace(**self.fixed)
 
 
-def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[..., ReportingCache]:
+def _qevict(name: str, same_capacity: bool = False) -> Callable[..., ReportingCache]:
     """``same_capacity``: an ablation runs with the tier capacities that QEvict gets from the same config (as the
     paper's Appendix K does), not with what its own byte needs would give (without promotion no full window
     reserves a ledger record, so Eq. 3 would hand it more full windows and the ablation would measure that too).
@@ -40,28 +46,28 @@ def _qevict(name: str, same_capacity: bool = False, **overrides) -> Callable[...
     capacity does not fit the bytes (smaller windows carry more scales and scores; p-norm keeps a second table),
     the ablation runs at its own plan for the same bytes, and its K_f / K_q (in ``summary()``) say so."""
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
+        own = METHODS[name].lane_config(config)
         cache = None
         if same_capacity and config.k_full is None:
             plan = plan_tiers(KVShape.from_model(model, batch_size), config, max_length,
                               interval_table=make_scorer(config).keeps_interval)
             if not plan.uncompressed:
-                omega = overrides.get("omega", config.omega)
-                fixed = config.replace(k_full=plan.k_full * config.omega // omega,
-                                       k_quant=plan.k_quant * config.omega // omega, **overrides)
+                fixed = own.replace(k_full=plan.k_full * config.omega // own.omega,
+                                    k_quant=plan.k_quant * config.omega // own.omega)
                 try:
                     cache = QEvictCache(model, fixed, max_length, batch_size)
                 except BudgetTooSmall:
                     pass  # its own plan, below
         if cache is None:
-            cache = QEvictCache(model, config.replace(**overrides), max_length, batch_size)
+            cache = QEvictCache(model, own, max_length, batch_size)
         cache.method = name
         return cache
     return build
 
 
-def _qevict_head(name: str, **overrides) -> Callable[..., ReportingCache]:
+def _qevict_head(name: str) -> Callable[..., ReportingCache]:
     def build(model, config: QEvictConfig, max_length: int, batch_size: int = 1) -> ReportingCache:
-        cache = HeadwiseQEvictCache(model, config.replace(**overrides), max_length, batch_size)
+        cache = HeadwiseQEvictCache(model, METHODS[name].lane_config(config), max_length, batch_size)
         cache.method = name
         return cache
     return build
@@ -89,63 +95,52 @@ def _policy_spec(name: str, make_policy: Callable[[QEvictConfig], Policy], cls: 
     return MethodSpec(_evict(name, make_policy), cls.description, cls.reference, "eviction")
 
 
+# The paper's QEvict, taken literally: every field QEvictConfig.paper() sets that the form does not own (the form
+# owns the budget, Ω, the sinks and the recent region, which the paper's own experiments vary too).
+PAPER = {k: v for k, v in QEvictConfig.paper().to_dict().items()
+         if k in ("bits", "scale_dtype", "q_frac", "coverage", "scorer", "pool", "pool_weight", "pool_direction",
+                  "promotion", "prefill_window")}
+# QEvict's default before the choice of issue 31 (bench/README.md): INT2 in the model's dtype, Eq. 3, no pooling.
+EARLIER = dict(bits=2, scale_dtype="model", coverage=None, pool=0, pool_weight=1.0, pool_direction="both")
+# Per-head routing as measured: the default's pooling, every head at the layer's capacities.
+HEADWISE = dict(pool=1, pool_direction="forward", pool_weight=0.1, head_floor=1.0)
+
 METHODS: dict[str, MethodSpec] = {
     "fullkv": MethodSpec(FullKVCache, "Uncompressed cache: every token in full precision (the reference).",
                          "transformers DynamicCache semantics", "reference"),
-    "qevict": MethodSpec(_qevict("qevict"), "QEvict: windows routed by cumulative attention into full precision, a "
-                         "recoverable INT2/INT4 tier or eviction, with promotion.", "arXiv 2608.05326, Alg. 1",
-                         "qevict"),
-    "qevict_paper": MethodSpec(_qevict("qevict_paper", prefill_window=0), "QEvict, the paper's preset "
-                               "(QEvictConfig.paper()): prefill scores summed over every prompt query (Eq. 1) instead "
-                               "of the last 32.", "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict"),
-    "qevict_int4": MethodSpec(_qevict("qevict_int4", bits=4), "QEvict with an INT4 recoverable tier: fewer low-bit "
-                              "windows for the same bytes, each four times finer (the paper's Appendix G trade-off).",
-                              "arXiv 2608.05326, App. G", "qevict"),
-    "qevict_int4_f16scale": MethodSpec(_qevict("qevict_int4_f16scale", bits=4, scale_dtype="float16"),
-                                       "qevict_int4 with its scales and zero-points stored in float16: on a float32 "
-                                       "model they are half a window's bytes, so the same budget holds more INT4 "
-                                       "windows.", "arXiv 2608.05326, App. G; see docs/engine.md", "qevict"),
-    "qevict_cover": MethodSpec(_qevict("qevict_cover", bits=4, scale_dtype="float16", coverage=0.7),
-                               "qevict_int4_f16scale with coverage first: the INT4 tier is sized to hold 70% of the "
-                               "windows (all of the historical bytes where it cannot) and only the bytes left over "
-                               "buy full windows; q is not used.", "arXiv 2608.05326, Eq. 3 and App. G; see "
-                               "docs/engine.md", "qevict"),
-    "qevict_pool": MethodSpec(_qevict("qevict_pool", pool=1), "QEvict with neighbour pooling: a window ranks by the "
-                              "largest score of itself and its two neighbours (pool = 1), as SnapKV and AdaKV pool "
-                              "attention; routed per layer (qevict_head_pool's control).",
-                              "arXiv 2608.05326 + SnapKV's pooling; see docs/engine.md", "qevict"),
-    "qevict_head": MethodSpec(_qevict_head("qevict_head", pool=1, pool_direction="forward", pool_weight=0.1,
-                                           head_floor=1.0),
-                              "QEvict routed per KV head: each head ranks windows by its query group's attention "
-                              "blended with the layer's (β = 0.5), a window borrowing a tenth of the score of the "
-                              "window before it (forward pooling, γ = 0.1), every head at the layer's capacities "
-                              "(floor α = 1; the AdaKV split is head_floor < 1).",
-                              "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); see qevict_core/head_cache.py", "qevict"),
-    "qevict_head_pool": MethodSpec(_qevict_head("qevict_head_pool", pool=1), "qevict_head's earlier form: pooled "
-                                   "over both neighbours at full weight (pool = 1, γ = 1) and the layer's slots split "
-                                   "over heads AdaKV-style at every routing event (floor α = 0.2).",
-                                   "qevict_core/head_cache.py; docs/engine.md", "qevict"),
-    "qevict_head_nopool": MethodSpec(_qevict_head("qevict_head_nopool"), "qevict_head ablation without pooling "
-                                     "(pool = 0), AdaKV split (α = 0.2): its form before pooling.", "qevict_core/head_cache.py", "qevict"),
-    "qevict_head_own": MethodSpec(_qevict_head("qevict_head_own", head_blend=0.0), "qevict_head ablation: each head "
-                                  "ranks by its own query group's attention alone (β = 0), without pooling (its first "
-                                  "form).", "qevict_core/head_cache.py", "qevict"),
-    "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True, promotion=False),
+    "qevict": MethodSpec(_qevict("qevict"), "QEvict: the most-attended windows of past tokens in full precision, "
+                         "a broad middle in 4 bits that can be promoted back, the rest evicted.",
+                         "arXiv 2608.05326, Alg. 1; default chosen in bench/README.md", "qevict"),
+    "qevict_paper": MethodSpec(_qevict("qevict_paper"), "QEvict as the paper configures it: a 2-bit middle tier, "
+                               "Eq. 3's split (q = 0.70), prefill scores summed over every prompt query.",
+                               "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict", fixed=PAPER),
+    "qevict_int2": MethodSpec(_qevict("qevict_int2"), "QEvict's earlier default: INT2 windows with scales in the "
+                              "model's dtype, Eq. 3's split, no pooling (the reference of the default's choice).",
+                              "bench/README.md, Choosing QEvict's default", "qevict", "ablation", fixed=EARLIER),
+    "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
+                              "its query group's attention blended with the layer's (β = 0.5), every head at the "
+                              "layer's capacities.", "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); "
+                              "qevict_core/head_cache.py", "qevict", "ablation", fixed=HEADWISE),
+    "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
-                                 "tier capacities.", "arXiv 2608.05326, App. K", "qevict"),
-    **{f"qevict_{scorer}": MethodSpec(_qevict(f"qevict_{scorer}", same_capacity=True, scorer=scorer),
+                                 "tier capacities.", "arXiv 2608.05326, App. K", "qevict", "ablation",
+                                 fixed=dict(promotion=False)),
+    **{f"qevict_{scorer}": MethodSpec(_qevict(f"qevict_{scorer}", same_capacity=True),
                                       f"QEvict scorer ablation: windows ranked by the {scorer} score (Appendix J) "
-                                      "at QEvict's tier capacities.", "arXiv 2608.05326, App. J/K", "qevict")
+                                      "at QEvict's tier capacities.", "arXiv 2608.05326, App. J/K", "qevict",
+                                      "ablation", fixed=dict(scorer=scorer, **({"pool": 0} if scorer == "keynorm"
+                                                                               else {})))
        for scorer in ("decay", "pnorm", "keynorm")},
-    **{f"qevict_omega{omega}": MethodSpec(_qevict(f"qevict_omega{omega}", same_capacity=True, omega=omega),
+    **{f"qevict_omega{omega}": MethodSpec(_qevict(f"qevict_omega{omega}", same_capacity=True),
                                           f"QEvict window-size ablation: Ω = {omega} (windows and routing interval) "
                                           "at QEvict's tier capacities in tokens.", "arXiv 2608.05326, App. K",
-                                          "qevict")
+                                          "qevict", "ablation", fixed=dict(omega=omega))
        for omega in (4, 16)},
-    "r1": MethodSpec(_qevict("r1", omega=1, q_frac=0.0), "R1: token-level eviction by cumulative attention "
-                     "(Ω = 1, no quantized tier).", "arXiv 2608.05326, App. I.1", "qevict"),
-    "r2": MethodSpec(_qevict("r2", q_frac=0.0), "R2: two-tier window eviction (Ω = 8, no quantized tier).",
-                     "arXiv 2608.05326, App. I.1", "qevict"),
+    "r1": MethodSpec(_qevict("r1"), "R1: token-level eviction by cumulative attention (Ω = 1, no quantized tier).",
+                     "arXiv 2608.05326, App. I.1", "qevict", "ablation",
+                     fixed=dict(omega=1, q_frac=0.0, coverage=None, pool=0)),
+    "r2": MethodSpec(_qevict("r2"), "R2: two-tier window eviction (Ω = 8, no quantized tier).",
+                     "arXiv 2608.05326, App. I.1", "qevict", "ablation", fixed=dict(q_frac=0.0, coverage=None)),
     "streamingllm": _policy_spec("streamingllm", lambda c: StreamingLLM(sinks=c.sinks), StreamingLLM),
     "h2o": _policy_spec("h2o", lambda c: H2O(), H2O),
     "snapkv": _policy_spec("snapkv", lambda c: SnapKV(), SnapKV),
@@ -156,27 +151,64 @@ METHODS: dict[str, MethodSpec] = {
     "kivi2": MethodSpec(_kivi(2), "KIVI-2: every token kept, keys per-channel and values per-token in 2 bits, "
                         "a 32-token fp residual.", "Liu et al. 2024; jy-yuan/KIVI (G=32, R=32)", "quantization"),
     "kivi4": MethodSpec(_kivi(4), "KIVI-4: as KIVI-2 with 4-bit codes.", "Liu et al. 2024; jy-yuan/KIVI",
-                        "quantization"),
+                        "quantization", "ablation"),
     "kvquant2": MethodSpec(_kvquant(2), "KVQuant-2b (s1%): pre-RoPE per-channel keys, per-token values, 2-bit "
                            "non-uniform levels, 1% sparse outliers kept exactly, the first token in full precision.",
                            "Hooper et al. 2024; SqueezeAILab/KVQuant (levels and key thresholds calibrated on the "
                            "prompt)", "quantization"),
     "kvquant4": MethodSpec(_kvquant(4), "KVQuant-4b (s1%): as KVQuant-2b with 4-bit non-uniform levels.",
-                           "Hooper et al. 2024; SqueezeAILab/KVQuant", "quantization"),
+                           "Hooper et al. 2024; SqueezeAILab/KVQuant", "quantization", "ablation"),
     "zipcache": MethodSpec(ZipCacheCache, "ZipCache: every token kept; per head, the 40% with the highest "
                            "normalised attention in 4 bits, the rest in 2 bits; decoded tokens compressed 100 at a time.",
                            "He et al. 2024; ThisisBillhe/ZipCache (exact saliency instead of probe tokens)",
                            "quantization"),
 }
 
+# Removed methods, for sessions stored or exported before they went: name -> (the method that runs it now, the
+# config fields it set on top of that method's). Their committed result rows keep their names.
+RETIRED: dict[str, tuple[str, dict[str, Any]]] = {
+    "qevict_int4": ("qevict", dict(bits=4, scale_dtype="model", coverage=None, pool=0, pool_weight=1.0,
+                                   pool_direction="both")),
+    "qevict_int4_f16scale": ("qevict", dict(bits=4, scale_dtype="float16", coverage=None, pool=0, pool_weight=1.0,
+                                            pool_direction="both")),
+    "qevict_cover": ("qevict", dict(bits=4, scale_dtype="float16", coverage=0.7, pool=0, pool_weight=1.0,
+                                    pool_direction="both")),
+    "qevict_pool": ("qevict", dict(pool=1, pool_weight=1.0, pool_direction="both")),
+    "qevict_head_pool": ("qevict_head", dict(pool=1, pool_weight=1.0, pool_direction="both", head_floor=0.2)),
+    "qevict_head_nopool": ("qevict_head", dict(pool=0, head_floor=0.2)),
+    "qevict_head_own": ("qevict_head", dict(pool=0, head_floor=0.2, head_blend=0.0)),
+}
 
-def list_methods() -> dict[str, str]:
-    return {name: spec.description for name, spec in METHODS.items()}
+
+def resolve(name: str) -> tuple[str, dict[str, Any]]:
+    """(method, config changes) for a method named by a stored session: a retired name maps to what runs it now."""
+    if name in METHODS:
+        return name, {}
+    if name in RETIRED:
+        return RETIRED[name]
+    method_info(name)  # raises, naming the allowed methods
+    raise AssertionError(name)
+
+
+def stored_lane_config(name: str, config: QEvictConfig) -> QEvictConfig:
+    """The config a lane of a session stored without per-lane configs ran with: the form's, with its method's
+    fields (a retired method's on top of those of the method that replaced it)."""
+    method, changes = resolve(name)
+    return METHODS[method].lane_config(config).replace(**changes)
+
+
+def list_methods(ablations: bool = False) -> dict[str, str]:
+    """The product's methods (FullKV, QEvict, QEvict as in the paper, the paper's baselines) -> one line each;
+    ``ablations=True`` adds the ablations the benchmarks run by name."""
+    return {name: spec.description for name, spec in METHODS.items() if ablations or spec.kind == "method"}
 
 
 def method_info(name: str) -> MethodSpec:
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known methods: {sorted(METHODS)}")
+        retired = (f"; {name!r} was removed (it is {RETIRED[name][0]} with {RETIRED[name][1]})"
+                   if name in RETIRED else "")
+        raise ValueError(f"unknown method {name!r}{retired}; methods: {sorted(list_methods())}, ablations: "
+                         f"{sorted(set(METHODS) - set(list_methods()))}")
     return METHODS[name]
 
 

@@ -14,11 +14,12 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qevict_core import QEvictConfig
-from qevict_core.registry import METHODS
+from qevict_core.registry import METHODS, RETIRED, stored_lane_config
 
 EXPORT_FORMAT = "qevict-session/1"
 MAX_LANES = 3
 MAX_PROMPT_CHARS = 200_000
+MAX_PROMPT_TOKENS = 131_072  # beyond any context the studio serves
 MAX_NEW_TOKENS = 4096
 MAX_EVENTS = 250_000
 MAX_WINDOWS = 1_000_000
@@ -48,13 +49,21 @@ class LaneSpec(BaseModel):
     method: str
     budget_bytes: Annotated[int, Field(ge=1, le=10**15)] | None = None  # when the studio raised this lane's budget
     note: Annotated[str, Field(max_length=1000)] = ""
+    config: dict[Key, Any] | None = None  # what the lane ran with (sessions stored before lanes kept it: None)
 
     @field_validator("method")
     @classmethod
     def _known(cls, method: str) -> str:
-        if method not in METHODS:
+        if method not in METHODS and method not in RETIRED:  # a retired name replays as what replaced it
             raise ValueError(f"unknown method {method[:40]!r}; allowed: {sorted(METHODS)}")
         return method
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, config: dict | None) -> dict | None:
+        if config is not None:
+            QEvictConfig.from_dict(config)  # its own checks: types, ranges, finite numbers, known keys
+        return config
 
 
 class SamplingSpec(BaseModel):
@@ -70,8 +79,8 @@ class RequestSpec(BaseModel):
     lanes: Annotated[list[LaneSpec], Field(min_length=1, max_length=MAX_LANES)]
     config: dict[Key, Any]
     sampling: SamplingSpec
-    prompt_length: Annotated[int, Field(ge=1, le=10**6)]
-    prompt_tokens: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=10**6)]
+    prompt_length: Annotated[int, Field(ge=1, le=MAX_PROMPT_TOKENS)]
+    prompt_tokens: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_PROMPT_TOKENS)]
     prompt_span: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)] | None = None
     expected: Annotated[str, Field(max_length=200)] = ""  # the answer the prompt asks for, when known
 
@@ -172,12 +181,35 @@ class SessionDocument(BaseModel):
         request = self.session.request
         lanes = {lane.name for lane in request.lanes}
         last = request.sampling.max_new_tokens - 1
+        bounds = {lane.name: _window_bound(request, lane) for lane in request.lanes}
+        total = request.prompt_length + request.sampling.max_new_tokens
         for i, event in enumerate(self.events):
             if event.lane not in lanes:
                 raise ValueError(f"event {i} belongs to lane {event.lane!r}, not one of {sorted(lanes)}")
             if event.step > last:
                 raise ValueError(f"event {i} is at step {event.step}, beyond max_new_tokens={last + 1}")
+            if event.kind == "routing":
+                _check_routing(i, event, bounds[event.lane], total)
         return self
+
+
+def _window_bound(request: RequestSpec, lane: LaneSpec) -> int:
+    """The largest window id a lane's routing can name: that of the session's last token (prompt + new tokens)
+    at the lane's own Ω and sinks, so no stored id can make a drawing larger than the run it shows."""
+    config = lane.config or stored_lane_config(lane.method, QEvictConfig.from_dict(request.config)).to_dict()
+    total = request.prompt_length + request.sampling.max_new_tokens
+    return max(0, (total - 1 - int(config.get("sinks", 0))) // int(config.get("omega", 1)))
+
+
+def _check_routing(i: int, event: RoutingDoc, bound: int, total: int) -> None:
+    if event.seen > total or event.recent_start > event.seen:
+        raise ValueError(f"event {i}: seen={event.seen}, recent_start={event.recent_start} must satisfy "
+                         f"recent_start <= seen <= {total} (the session's prompt + new tokens)")
+    ids = [*event.full, *event.quantized, *event.promoted, *event.demoted, *event.evicted]
+    largest = max([*ids, *map(int, event.admitted), *map(int, event.scores)], default=0)
+    if largest > bound:
+        raise ValueError(f"event {i} names window {largest}; this lane's windows are 0..{bound} (the session's "
+                         f"{total} tokens at its Ω)")
 
 
 def parse_document(raw: bytes | str | dict) -> SessionDocument:

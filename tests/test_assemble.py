@@ -51,7 +51,7 @@ def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bit
 @pytest.mark.parametrize("family, kv_heads", [("llama", 2), ("mistral", 4)])
 def test_generation_yields_the_tokens_of_the_path_it_replaced(monkeypatch, family, kv_heads):
     model = tiny_model(family, kv_heads)
-    config = QEvictConfig(budget=0.15)
+    config = QEvictConfig(budget=0.15, coverage=None)  # three tiers: promotions and demotions
 
     def generate():
         lane = Lane("q", make_cache("qevict", model, config, max_length=700))

@@ -39,10 +39,12 @@ def test_bytes_stay_within_budget_for_200_steps(method, kv_heads):
 def test_every_registry_method_is_listed_with_a_reference():
     from qevict_core import list_methods
 
-    listed = list_methods()
-    assert set(listed) == set(METHODS) >= {"fullkv", "streamingllm", "h2o", "snapkv", "adakv", "criticalkv",
-                                            "defensivekv", "layer_defensivekv", "kivi2", "kivi4", "r1", "r2",
-                                            "qevict_nopromo", "qevict"}
+    # The product's list: FullKV, QEvict, QEvict as in the paper, the paper's baselines; the ablations on request.
+    assert list(list_methods()) == ["fullkv", "qevict", "qevict_paper", "streamingllm", "h2o", "snapkv", "adakv",
+                                    "criticalkv", "defensivekv", "layer_defensivekv", "kivi2", "kvquant2", "zipcache"]
+    listed = list_methods(ablations=True)
+    assert set(listed) == set(METHODS) >= {"r1", "r2", "qevict_nopromo", "qevict_head", "qevict_int2", "kivi4"}
+    assert {METHODS[name].kind for name in set(METHODS) - set(list_methods())} == {"ablation"}
     assert all(METHODS[m].reference and listed[m] for m in METHODS)
 
 

@@ -75,17 +75,17 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
 
 def test_a_variant_is_a_method_with_changed_fields_and_a_bad_one_is_refused_before_any_run(tmp_path):
     common = ["--model", "tiny", "--budgets", "0.3", "--lengths", "1024", "--tasks", "niah_single_1", "--samples", "2",
-              "--out", str(tmp_path), "--methods", "fullkv,qevict+bits=4,qevict+q_frac=0.9,qevict_head+bits=4"]
+              "--out", str(tmp_path), "--methods", "fullkv,qevict+coverage=null,qevict+coverage=null+q_frac=0.9,qevict_head+bits=2"]
     ruler.main(common + ["--shard", "0/2"])
     ruler.main(common + ["--shard", "1/2"])
     rows = read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))
-    lanes = ("fullkv", "qevict+bits=4", "qevict+q_frac=0.9", "qevict_head+bits=4")
+    lanes = ("fullkv", "qevict+coverage=null", "qevict+coverage=null+q_frac=0.9", "qevict_head+bits=2")
     assert sorted((r["method"], r["sample"]) for r in rows) == sorted((v, s) for v in lanes for s in (0, 1))
     # Routed per head, its capacities count one head's windows, not the layer's.
     k_quant = {r["method"]: r["k_quant"] for r in rows}
-    assert 0 < k_quant["qevict_head+bits=4"] != k_quant["qevict+bits=4"]
-    assert k_quant["qevict+bits=4"] != k_quant["qevict+q_frac=0.9"]
-    assert "qevict+bits=4 @30%" in (tmp_path / "ruler_table.md").read_text()
+    assert 0 < k_quant["qevict_head+bits=2"] != k_quant["qevict+coverage=null"]
+    assert k_quant["qevict+coverage=null"] != k_quant["qevict+coverage=null+q_frac=0.9"]
+    assert "qevict+coverage=null @30%" in (tmp_path / "ruler_table.md").read_text()
     for bad, message in [("qevict+bitz=4", "unknown config keys"), ("qevict+bits=3", "bits must be one of"),
                          ("qevictt", "unknown method"), ("qevict@gpu", "kernels must be one of"),
                          ("qevict/0", "prefill chunk")]:
@@ -160,10 +160,11 @@ def test_fidelity_lane_with_a_config_field_changed():
 
     model = tiny_model("llama", 2)
     tokens = torch.randint(0, 256, (1, 412), generator=torch.Generator().manual_seed(3))
-    lanes = [("qevict", 0.3), ("qevict+bits=4", 0.3)]
+    lanes = [("qevict+coverage=null", 0.3), ("qevict+bits=2+coverage=null", 0.3)]
     rows = {r["method"]: r for r in fidelity.measure(model, tokens, 400, lanes)}
-    assert rows["qevict+bits=4"]["k_quant"] < rows["qevict"]["k_quant"]  # INT4 windows cost more bytes each
-    assert rows["qevict+bits=4"]["kl"] != rows["qevict"]["kl"]
+    int2, int4 = rows["qevict+bits=2+coverage=null"], rows["qevict+coverage=null"]
+    assert int4["k_quant"] < int2["k_quant"]  # INT4 windows cost more bytes each
+    assert int4["kl"] != int2["kl"]
     for spec, message in (("qevict_head+pool=2", "qevict_head fixes pool = 1"),
                           ("qevict+colour=1", "unknown config keys"), ("qevict+pool", "must be field=value"),
                           ("kivi2+bits=4", "fixes bits = 2|takes no")):

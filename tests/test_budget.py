@@ -38,10 +38,10 @@ def walked_bytes(cache) -> int:
     return sum(storages.values())
 
 
-def run_within_budget(method: str, model, budget: float, prompt_len: int = 1200, new: int = 300):
+def run_within_budget(method: str, model, budget: float, prompt_len: int = 1200, new: int = 300, **changes):
     """Generates ``new`` tokens and checks after every step that the measured bytes stay within the budget and
     equal a walk over the layers' tensors."""
-    cache = make_cache(method, model, QEvictConfig(budget=budget), max_length=prompt_len + new)
+    cache = make_cache(method, model, QEvictConfig(budget=budget, **changes), max_length=prompt_len + new)
     steps = 0
     for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [Lane(method, cache)],
                                 Sampling(max_new_tokens=new)):
@@ -57,7 +57,7 @@ def run_within_budget(method: str, model, budget: float, prompt_len: int = 1200,
 @pytest.mark.parametrize("budget", [0.1, 0.2])
 def test_budget_holds_over_300_steps(kv_heads, budget):
     model = tiny_model("llama", kv_heads)
-    cache = run_within_budget("qevict", model, budget)
+    cache = run_within_budget("qevict", model, budget, coverage=None)  # Eq. 3: every tier holds windows
     for tiers in cache.tier_counts():
         assert tiers["full"] > 0 and tiers["quantized"] > 0 and tiers["evicted"] > 0
     report = cache.memory_report()
@@ -70,7 +70,8 @@ def test_budget_holds_over_300_steps(kv_heads, budget):
 
 @pytest.mark.parametrize("budget", [0.1, 0.3])
 def test_coverage_first_holds_the_budget_with_and_without_a_full_tier(budget):
-    cache = run_within_budget("qevict_cover", tiny_model("llama", 2), budget)
+    cache = run_within_budget("qevict", tiny_model("llama", 2), budget)
+    assert (cache.config.bits, cache.config.scale_dtype, cache.config.coverage) == (4, "float16", 0.7)
     for tiers in cache.tier_counts():
         assert tiers["quantized"] > 0 and tiers["evicted"] > 0
         # At 10% INT4 windows for 70% of the sequence do not fit, so no full window is bought; at 30% they do.
@@ -79,7 +80,7 @@ def test_coverage_first_holds_the_budget_with_and_without_a_full_tier(budget):
 
 def test_capacities_follow_eq3():
     model = tiny_model("llama", 2)
-    cache = make_cache("qevict", model, QEvictConfig(budget=0.2, q_frac=0.7), max_length=2000)
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.2, q_frac=0.7, coverage=None), max_length=2000)
     plan = cache.plan
     hist = plan.budget_bytes // cache.shape.num_layers - plan.fixed_bytes
     assert plan.k_full == int(0.3 * hist // plan.full_window_bytes)
@@ -108,18 +109,19 @@ def test_coverage_sizes_the_low_bit_tier_first_and_buys_full_windows_with_the_re
             assert plan.k_full + plan.k_quant == plan.num_windows and plan.k_full > 0
     # 0.07 * 100 is 7.000000000000001 in floating point: still 7 windows, not 8.
     assert plan_tiers(shape, config.replace(budget=0.2, coverage=0.07), 805).k_quant == 7
-    # None keeps Eq. 3's split by q_frac.
-    assert plan_tiers(shape, QEvictConfig(q_frac=0.85), length) == \
-        plan_tiers(shape, QEvictConfig(q_frac=0.85, coverage=None), length)
+    # None keeps Eq. 3's split by q_frac: the historical bytes split q : (1 - q) between the tiers.
+    eq3 = plan_tiers(shape, config.replace(budget=0.1, coverage=None, q_frac=0.85), length)
+    hist = eq3.budget_bytes // shape.num_layers - eq3.fixed_bytes
+    assert (eq3.k_full, eq3.k_quant) == (int(0.15 * hist // eq3.full_window_bytes),
+                                         int(0.85 * hist // eq3.quant_window_bytes))
 
 
-def test_the_coverage_lane_is_the_f16scale_lane_with_its_split_by_coverage():
+def test_coverage_first_sizes_the_low_bit_tier_before_the_full_one():
     model = tiny_model("llama", 2)
     for budget in (0.1, 0.3):
         config = QEvictConfig(budget=budget)
-        lane = make_cache("qevict_cover", model, config, max_length=2000)
-        assert lane.config == config.replace(bits=4, scale_dtype="float16", coverage=0.7)
-        half = make_cache("qevict_int4_f16scale", model, config, max_length=2000).plan
+        lane = make_cache("qevict", model, config, max_length=2000)
+        half = make_cache("qevict", model, config.replace(coverage=None), max_length=2000).plan  # Eq. 3's split
         assert lane.plan.quant_window_bytes == half.quant_window_bytes
         if budget == 0.1:  # 70% of the windows do not fit in INT4: no full window, more INT4 ones than Eq. 3's
             assert lane.plan.k_full == 0 and lane.plan.k_quant > half.k_quant
@@ -129,8 +131,8 @@ def test_the_coverage_lane_is_the_f16scale_lane_with_its_split_by_coverage():
 
 def test_int4_holds_fewer_windows_than_int2():
     model = tiny_model("llama", 2)
-    int2 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=2), max_length=2000).plan
-    int4 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=4), max_length=2000).plan
+    int2 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=2, coverage=None), max_length=2000).plan
+    int4 = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=4, coverage=None), max_length=2000).plan
     assert int4.quant_window_bytes > int2.quant_window_bytes
     assert int4.k_quant < int2.k_quant
 
@@ -179,31 +181,33 @@ def test_a_sequence_shorter_than_a_policys_window_is_not_refused():
 LLAMA_8B = KVShape(num_layers=32, num_kv_heads=8, num_q_heads=32, head_dim=128, dtype=torch.bfloat16)
 
 
-def test_the_paper_preset_is_the_default_with_eq1_over_every_prompt_query():
+def test_the_paper_preset_is_the_paper_taken_literally():
     paper, default = QEvictConfig.paper(), QEvictConfig()
-    assert paper.prefill_window == 0 and default.prefill_window == 32
-    assert paper.replace(prefill_window=32) == default
+    assert (paper.bits, paper.scale_dtype, paper.q_frac, paper.coverage, paper.pool, paper.prefill_window) == \
+        (2, "model", 0.70, None, 0, 0)
+    assert (default.bits, default.scale_dtype, default.coverage, default.pool, default.prefill_window) == \
+        (4, "float16", 0.7, 1, 32)
     assert QEvictConfig.paper(recent=64).recent == 64
-    # The registry's paper lane, which the benchmarks and the studio run, is that preset.
-    assert make_cache("qevict_paper", tiny_model("llama", 2), default, max_length=500).config == paper
+    # The registry's paper lane, which the benchmarks and the studio run, is that preset whatever the form says
+    # of precision, split and pooling; the form keeps the budget, Ω, the sinks and the recent region.
+    form = default.replace(bits=4, q_frac=0.5, omega=16)
+    assert make_cache("qevict_paper", tiny_model("llama", 2), form, max_length=500).config == paper.replace(omega=16)
 
 
-def test_the_int4_lane_is_the_default_with_an_int4_tier_and_fewer_windows_for_the_same_bytes():
-    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2)
-    int2 = make_cache("qevict", model, default, max_length=500)
-    int4 = make_cache("qevict_int4", model, default, max_length=500)
-    assert int4.config == default.replace(bits=4)
+def test_int4_windows_cost_more_bytes_and_fewer_fit_the_same_budget():
+    model, config = tiny_model("llama", 2), QEvictConfig(budget=0.2, scale_dtype="model", coverage=None)
+    int2 = make_cache("qevict", model, config.replace(bits=2), max_length=500)
+    int4 = make_cache("qevict", model, config, max_length=500)
     (p2, p4), shape = (int2.plan, int4.plan), KVShape.from_model(model)
     assert p4.quant_window_bytes > p2.quant_window_bytes and p4.k_quant < p2.k_quant
     assert p4.budget_bytes == p2.budget_bytes
-    assert p4.quant_window_bytes == quant_window_bytes(shape, default.omega, 4)
+    assert p4.quant_window_bytes == quant_window_bytes(shape, config.omega, 4)
 
 
 def test_half_precision_scales_halve_a_windows_parameters_and_buy_windows_only_on_a_wider_model():
-    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2)
-    int4 = make_cache("qevict_int4", model, default, max_length=500)
-    half = make_cache("qevict_int4_f16scale", model, default, max_length=500)
-    assert half.config == default.replace(bits=4, scale_dtype="float16")
+    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2, coverage=None)
+    int4 = make_cache("qevict", model, default.replace(scale_dtype="model"), max_length=500)
+    half = make_cache("qevict", model, default, max_length=500)
     shape = KVShape.from_model(model)
     # Per window: packed codes and an id, then a scale and a zero-point per key channel and per value token.
     codes = 2 * shape.num_kv_heads * default.omega * shape.head_dim * 4 // 8 + 4
@@ -245,7 +249,7 @@ def test_given_capacities_are_used_or_refused_with_the_missing_bytes():
 
 def test_the_promotion_ablation_runs_at_qevicts_capacities():
     model = tiny_model("llama", 2)
-    config = QEvictConfig(budget=0.2)
+    config = QEvictConfig(budget=0.2, coverage=None)  # Eq. 3 would give it more full windows
     qevict = make_cache("qevict", model, config, max_length=1000)
     nopromo = make_cache("qevict_nopromo", model, config, max_length=1000)
     assert (nopromo.plan.k_full, nopromo.plan.k_quant) == (qevict.plan.k_full, qevict.plan.k_quant)

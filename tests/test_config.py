@@ -52,7 +52,7 @@ def test_budget_smaller_than_protected_regions():
 
 
 def test_unknown_method_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown method 'nope'; known methods: \[.*'fullkv'.*'qevict'"):
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; methods: \[.*'fullkv'.*'qevict'.*ablations: \[.*'r1'"):
         make_cache("nope", tiny_model(), QEvictConfig(), max_length=100)
 
 

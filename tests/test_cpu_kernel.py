@@ -297,7 +297,7 @@ def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits)
     prompt = torch.cat([random_prompt(400), random_prompt(400, seed=2)])
     results = {}
     for kernels in ("torch", "cpu"):  # 48 steps: six routing events after the prefill, with promotions
-        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels),
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels, coverage=None),
                            max_length=400 + 48, batch_size=2)
         assert cache.kernels == kernels
         out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)

@@ -9,7 +9,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.attention import qevict_attention
-from qevict_core.head_cache import split_capacity
+from qevict_core.head_cache import HeadwiseQEvictCache, split_capacity
+from qevict_core.registry import METHODS
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 from tests.test_equivalence import NEW, _greedy_with_logits, _Tok
@@ -43,17 +44,26 @@ def identical_heads(model):
     return model
 
 
-@pytest.mark.parametrize("per_layer,per_head,pooling", [
-    ("qevict_pool", "qevict_head_pool", {}),
-    ("qevict", "qevict_head", dict(pool=1, pool_direction="forward", pool_weight=0.1)),
-], ids=["both-sides-adakv-split", "forward-uniform"])
-def test_identical_heads_route_exactly_as_one_layer(per_layer, per_head, pooling):
+# Per-head forms measured on the way to qevict_head (its fields on top of the config; docs/history.md).
+BOTH_SIDES = dict(pool=1, pool_weight=1.0, pool_direction="both")
+HEAD_FORMS = {"qevict_head": {}, "both-sides, AdaKV split": dict(BOTH_SIDES, head_floor=0.2),
+              "no pooling, AdaKV split": dict(pool=0, head_floor=0.2)}
+
+
+def headwise(form: str, model, config: QEvictConfig, max_length: int):
+    return HeadwiseQEvictCache(model, METHODS["qevict_head"].lane_config(config).replace(**HEAD_FORMS[form]),
+                               max_length)
+
+
+@pytest.mark.parametrize("pooling,form", [(BOTH_SIDES, "both-sides, AdaKV split"), ({}, "qevict_head")],
+                         ids=["both-sides-adakv-split", "forward-uniform"])
+def test_identical_heads_route_exactly_as_one_layer(pooling, form):
     """Heads that see the same attention make the decisions of one layer pooled the same way."""
     model = identical_heads(tiny_model("llama", 2))
     prompt, new = random_prompt(400), 60
     config = QEvictConfig(budget=0.5, k_full=6, k_quant=12, record_events=True)
-    lanes = [Lane(per_layer, make_cache(per_layer, model, config.replace(**pooling), max_length=400 + new)),
-             Lane(per_head, make_cache(per_head, model, config, max_length=400 + new))]
+    lanes = [Lane("qevict", make_cache("qevict", model, config.replace(**pooling), max_length=400 + new)),
+             Lane(form, headwise(form, model, config.replace(**pooling), max_length=400 + new))]
     layer_wise, head_wise = ([e for e in generate_lanes(model, _Tok(), prompt, [lane], Sampling(max_new_tokens=new))
                               if e.kind == "routing"] for lane in lanes)
     assert len(head_wise) == 2 * len(layer_wise) > 0
@@ -68,7 +78,7 @@ def test_identical_heads_route_exactly_as_one_layer(per_layer, per_head, pooling
 def test_each_head_keeps_the_windows_its_own_group_attends_to():
     """Group 0 attends to windows 3 and 4, group 1 to window 9; K_f = K_q = 2 windows per head. Per layer, the three
     windows compete for two full slots; per head, each head keeps its own. Pooled over both neighbours at full
-    weight with the AdaKV split (qevict_head_pool), head 0's neighbours of 3 and 4 outrank window 9 in the split of
+    weight with the AdaKV split, head 0's neighbours of 3 and 4 outrank window 9 in the split of
     full slots, and head 1 keeps 9 in its low-bit tier; at equal capacities (qevict_head) each head's full tier is
     its own."""
     model = tiny_model("llama", 2)
@@ -78,8 +88,9 @@ def test_each_head_keeps_the_windows_its_own_group_attends_to():
     query = torch.stack([toward[h // 2] * 6.0 for h in range(4)])[None, :, None].expand(1, 4, n_prompt, -1)
     config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, prefill_window=0, record_events=True)
     full, kept = {}, {}
-    for method in ("qevict", "qevict_head_nopool", "qevict_head_pool", "qevict_head"):
-        cache = make_cache(method, model, config, max_length=400)
+    for method in ("qevict", *HEAD_FORMS):
+        cache = (make_cache(method, model, config.replace(pool=0), max_length=400) if method == "qevict"
+                 else headwise(method, model, config, max_length=400))
         cache.plan = dataclasses.replace(cache.plan, k_full=2, k_quant=2, keeps_dormant=True, uncompressed=False)
         module = model.model.layers[0].self_attn
         k, v = cache.update(keys, torch.randn(1, 2, n_prompt, keys.shape[-1]), 0)
@@ -87,18 +98,18 @@ def test_each_head_keeps_the_windows_its_own_group_attends_to():
         events = cache.drain_events()
         full[method] = [set(e.full) for e in events]
         kept[method] = [set(e.full) | set(e.quantized) for e in events]
-    assert full["qevict_head_nopool"][0] == {3, 4} and 9 in full["qevict_head_nopool"][1]
+    assert full["no pooling, AdaKV split"][0] == {3, 4} and 9 in full["no pooling, AdaKV split"][1]
     assert not {3, 4, 9} <= full["qevict"][0]
-    assert {3, 4} <= full["qevict_head_pool"][0] and 9 in kept["qevict_head_pool"][1]
+    assert {3, 4} <= full["both-sides, AdaKV split"][0] and 9 in kept["both-sides, AdaKV split"][1]
     assert full["qevict_head"][0] == {3, 4} and 9 in full["qevict_head"][1]
 
 
-@pytest.mark.parametrize("method", ["qevict_head", "qevict_head_pool"])
+@pytest.mark.parametrize("form", ["qevict_head", "both-sides, AdaKV split"])
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads, method):
+def test_bytes_stay_within_budget_and_equal_a_tensor_walk(kv_heads, form):
     model = tiny_model("llama", kv_heads)
     prompt_len, new = 700, 120
-    cache = make_cache(method, model, QEvictConfig(budget=0.15), max_length=prompt_len + new)
+    cache = headwise(form, model, QEvictConfig(budget=0.15), max_length=prompt_len + new)
     plan = cache.plan
     for event in generate_lanes(model, _Tok(), random_prompt(prompt_len), [Lane("h", cache)],
                                 Sampling(max_new_tokens=new)):
@@ -184,7 +195,7 @@ def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
 @pytest.mark.parametrize("family,kv_heads,bits,scorer", [("llama", 2, 2, "cumulative"), ("qwen2", 4, 4, "pnorm")])
 def test_one_pass_over_the_heads_decodes_as_head_by_head(monkeypatch, family, kv_heads, bits, scorer):
     model = tiny_model(family, kv_heads)
-    config = QEvictConfig(budget=0.2, bits=bits, scorer=scorer)
+    config = QEvictConfig(budget=0.2, bits=bits, scorer=scorer, coverage=None)
     (ref_tokens, ref_logits, ref), (tokens, logits, cache) = _per_head_and_one_pass(
         monkeypatch, model, random_prompt(500), config, 48)
     assert torch.equal(tokens, ref_tokens)
@@ -211,9 +222,9 @@ _STATE = ("full_k", "full_v", "full_ids", "quant", "dormant", "dormant_valid", "
 
 
 @pytest.mark.parametrize("family,kv_heads,config", [
-    ("llama", 2, QEvictConfig(budget=0.2, record_events=True)),
-    ("qwen2", 4, QEvictConfig(budget=0.2, bits=4, scorer="pnorm")),
-    ("llama", 2, QEvictConfig(budget=0.15, scorer="decay", promotion=False)),  # no dormant ledger
+    ("llama", 2, QEvictConfig(budget=0.2, bits=2, scale_dtype="model", coverage=None, record_events=True)),
+    ("qwen2", 4, QEvictConfig(budget=0.2, bits=4, scorer="pnorm", coverage=None)),
+    ("llama", 2, QEvictConfig(budget=0.15, scorer="decay", promotion=False, coverage=None)),  # no dormant ledger
 ], ids=["gqa-int2", "mha-int4-pnorm", "nopromo-decay"])
 def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, family, kv_heads, config):
     """At every routing event of a decode on the CPU kernel, the heads are first moved one by one, their new state

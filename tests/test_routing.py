@@ -20,7 +20,7 @@ class Driver:
     def __init__(self, promotion=True, k_full=3, k_quant=5):
         self.model = tiny_model("llama", 2)
         config = QEvictConfig(budget=1.0, omega=OMEGA, sinks=SINKS, recent=RECENT, promotion=promotion,
-                              prefill_window=0, record_events=True)
+                              prefill_window=0, record_events=True, pool=0)  # the scenario sets raw scores
         self.cache = make_cache("qevict", self.model, config, max_length=400)
         self.cache.plan = dataclasses.replace(self.cache.plan, k_full=k_full, k_quant=k_quant,
                                               keeps_dormant=promotion, uncompressed=False)
@@ -91,7 +91,7 @@ def test_one_way_ablation_never_promotes():
 def _record(layer, window: int):
     ids = layer.quant.ids[0].tolist()
     one = layer.quant.select(torch.tensor([[ids.index(window)]]))
-    return one, one.dequantize()
+    return one, one.dequantize(layer.full_k.dtype)  # in the model's dtype, as promotion does (pairs may be float16)
 
 
 def test_promote_demote_cycles_keep_the_record_bit_identical():

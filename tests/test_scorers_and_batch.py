@@ -23,7 +23,8 @@ def decode(model, prompt, cache, steps=NEW):
 @pytest.mark.parametrize("scorer", ["cumulative", "decay", "pnorm", "keynorm"])
 def test_every_scorer_routes_within_budget(scorer):
     model = tiny_model("llama", 2)
-    cache = make_cache("qevict", model, QEvictConfig(budget=0.2, scorer=scorer), max_length=1000 + NEW)
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.2, scorer=scorer, coverage=None, pool=0),
+                       max_length=1000 + NEW)
     decode(model, random_prompt(1000), cache, steps=NEW - 3)  # not a multiple of Ω: queries stay buffered
     report = cache.memory_report()
     assert report["total_bytes"] <= cache.budget_bytes
@@ -41,7 +42,8 @@ def test_scorers_rank_differently():
     model = tiny_model("llama", 2)
     chosen = {}
     for scorer in ["cumulative", "keynorm", "pnorm"]:
-        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, scorer=scorer), max_length=1000 + NEW)
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, scorer=scorer, coverage=None, pool=0),
+                           max_length=1000 + NEW)
         decode(model, random_prompt(1000), cache)
         chosen[scorer] = cache.layers[0].full_ids[0].tolist()
     assert chosen["keynorm"] != chosen["cumulative"]
@@ -53,7 +55,7 @@ def test_batch_rows_are_routed_independently():
     model = tiny_model("mistral", 2)
     prompts = torch.cat([random_prompt(800, seed=3), random_prompt(800, seed=4)])
     # keynorm ranks by key content, so two different prompts keep different windows.
-    config = QEvictConfig(budget=0.15, recent=16, sinks=4, scorer="keynorm")
+    config = QEvictConfig(budget=0.15, recent=16, sinks=4, scorer="keynorm", pool=0, coverage=None)
     batch_cache = make_cache("qevict", model, config, max_length=800 + NEW, batch_size=2)
     together = decode(model, prompts, batch_cache)
     for row in range(2):
@@ -94,14 +96,15 @@ def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
     lower peak too) and above every window far from a peak, whose order stays the table's."""
     from qevict_core.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
-    plain = make_scorer(QEvictConfig()).rank(table)
+    both = dict(pool_weight=1.0, pool_direction="both")
+    plain = make_scorer(QEvictConfig(pool=0)).rank(table)
     assert torch.equal(plain, table)
-    pooled = make_scorer(QEvictConfig(pool=1)).rank(table)
+    pooled = make_scorer(QEvictConfig(pool=1, **both)).rank(table)
     order = pooled[0].argsort(descending=True, stable=True).tolist()
     assert order == [2, 1, 3, 6, 5, 7, 4, 0]  # a peak before the neighbours that borrow its score; 4, 0: their own
     assert pooled[0, 1] < table[0, 2] and pooled[0, 1] == pytest.approx(5.0 * (1 - 1e-3))
     # r = 2 reaches two windows out; pooling never lowers a window's own key (pnorm's root included).
-    wide = make_scorer(QEvictConfig(pool=2, scorer="pnorm", p=2.0))
+    wide = make_scorer(QEvictConfig(pool=2, scorer="pnorm", p=2.0, **both))
     key = wide.rank(table)
     assert torch.all(key >= wide.ranking(table))
     assert key[0, 0] == pytest.approx(5.0 ** 0.5 * (1 - 1e-3))
@@ -109,16 +112,13 @@ def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
 
 def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
     """The table above with γ = 0.5: a neighbour counts half its peak, so peak 6 (3.0) now ranks above the
-    neighbours of peak 2 (2.4975), and a far window (4) above nothing it borrows from; γ = 1 is pool_weight's
-    default and ranks exactly as before."""
+    neighbours of peak 2 (2.4975), and a far window (4) above nothing it borrows from."""
     from qevict_core.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
-    weighted = make_scorer(QEvictConfig(pool=1, pool_weight=0.5)).rank(table)
+    weighted = make_scorer(QEvictConfig(pool=1, pool_weight=0.5, pool_direction="both")).rank(table)
     assert weighted[0].argsort(descending=True, stable=True).tolist() == [2, 6, 1, 3, 5, 7, 4, 0]
     assert weighted[0, 1] == pytest.approx(5.0 * 0.5 * (1 - 1e-3)) and weighted[0, 4] == table[0, 4]
-    assert torch.equal(make_scorer(QEvictConfig(pool=1, pool_weight=1.0)).rank(table),
-                       make_scorer(QEvictConfig(pool=1)).rank(table))
-    assert torch.equal(make_scorer(QEvictConfig(pool_weight=0.5)).rank(table), table)  # no pooling: γ unread
+    assert torch.equal(make_scorer(QEvictConfig(pool=0, pool_weight=0.5)).rank(table), table)  # no pooling: γ unread
 
 
 def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
@@ -126,11 +126,11 @@ def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
     score (as does window 5 before peak 6, while 7 after it borrows)."""
     from qevict_core.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
-    key = make_scorer(QEvictConfig(pool=1, pool_direction="forward")).rank(table)
+    key = make_scorer(QEvictConfig(pool=1, pool_direction="forward", pool_weight=1.0)).rank(table)
     assert key[0, 3] == pytest.approx(5.0 * (1 - 1e-3)) and key[0, 7] == pytest.approx(3.0 * (1 - 1e-3))
     assert key[0, 1] == pytest.approx(0.1 * (1 - 1e-3)) and key[0, 5] == pytest.approx(0.3 * (1 - 1e-3))
     assert key[0, 0] == table[0, 0] and key[0, 2] == table[0, 2] and key[0, 6] == table[0, 6]
-    two = make_scorer(QEvictConfig(pool=2, pool_direction="forward")).rank(table)
+    two = make_scorer(QEvictConfig(pool=2, pool_direction="forward", pool_weight=1.0)).rank(table)
     assert two[0, 4] == pytest.approx(5.0 * (1 - 1e-3)) and two[0, 1] == pytest.approx(0.1 * (1 - 1e-3))
 
 

@@ -54,14 +54,15 @@ def test_bad_input_gives_readable_errors(prompt, methods, overrides, message):
 
 
 def test_coverage_from_the_form_reaches_the_cache_and_the_stored_request(studio):
-    assert request().config.coverage is None  # 0, the slider's default: Eq. 3's split by q
+    assert request().config.coverage == 0.7  # the slider's default is the default's coverage
+    assert request(coverage=0.0).config.coverage is None  # 0: Eq. 3's split by q
     final = list(studio.run(request(methods=("qevict",), coverage=0.7)))[-1]
     assert final.status == "done"
     stored = studio.store.get(final.session_id)["request"]["config"]
     assert stored["coverage"] == 0.7
     lane = final.view.lanes["qevict"]
     assert lane.total_bytes <= lane.budget_bytes
-    by_q = list(studio.run(request(methods=("qevict",))))[-1].view.lanes["qevict"].summary
+    by_q = list(studio.run(request(methods=("qevict",), coverage=0.0)))[-1].view.lanes["qevict"].summary
     # At 30% of this short sequence INT2 windows for 70% of it fit with bytes to spare: fewer INT2 windows than
     # q = 0.7's split, and the rest buys more full ones.
     assert lane.summary["k_quant"] < by_q["k_quant"] and lane.summary["k_full"] > by_q["k_full"]
@@ -346,3 +347,84 @@ def test_a_qevict_head_run_is_stored_replayed_and_diagnosed_per_head(studio):
     row = next(line for line in diagnose_session(studio, final.session_id).splitlines()
                if line.startswith("| qevict_head |"))
     assert all(c.strip() for c in row.strip("|").split("|"))
+
+
+def test_each_lane_is_drawn_with_the_configuration_it_ran_with(studio):
+    """r1 (Ω = 1) and qevict_omega16 beside qevict (the form's Ω = 8): each lane stores the config its method ran
+    with, and the tier map, heatmap and prompt colouring draw that lane's windows, live and replayed."""
+    final = list(studio.run(request(methods=("qevict", "r1", "qevict_omega16"), max_new=32)))[-1]
+    replayed, _, meta = studio.replay(final.session_id)
+    stored = {lane["method"]: lane["config"] for lane in meta["request"]["lanes"]}
+    assert {m: c["omega"] for m, c in stored.items()} == {"qevict": 8, "r1": 1, "qevict_omega16": 16}
+    assert stored["r1"]["q_frac"] == 0.0 and stored["r1"]["coverage"] is None and stored["qevict"]["coverage"] == 0.7
+    for view in (final.view, replayed):
+        for lane, omega in (("qevict", 8), ("r1", 1), ("qevict_omega16", 16)):
+            assert view.omega(lane) == omega
+            events = view.layer_events(lane, 0)
+            assert events, lane
+            last = events[-1]
+            windows = (last["seen"] - 1 - view.sinks(lane)) // omega + 1
+            fig = plots.tier_map(view, lane, 0)
+            assert len(fig.data[0].z) == windows and fig.layout.yaxis.title.text == f"window ({omega} tokens)"
+            # every window the lane kept is drawn in its tier at the last event
+            column = [row[-1] for row in fig.data[0].z]
+            assert all(column[w] == plots.TIER_CODES["full"] for w in last["full"] if w < windows)
+            assert all(column[w] == plots.TIER_CODES["quantized"] for w in last["quantized"] if w < windows)
+            heat = plots.score_heatmap(view, lane)
+            x, largest = list(heat.data[0].x), max(map(int, last["scores"]))
+            width = x[1] - x[0] if len(x) > 1 else 1  # r1's ~1,400 windows are drawn two per column
+            assert width == (1 if lane != "r1" else 2) and x[-1] <= largest < x[-1] + width
+            # a column shows the largest score of its windows
+            drawn = [v for v in heat.data[0].z[0] if v is not None]
+            assert max(drawn) == round(max(v for v in last["scores"].values() if v is not None), 3)
+        # the prompt colouring groups tokens by each lane's own Ω: a window's tokens share its tier
+        assert cards.prompt_html(view, "r1", 0) != cards.prompt_html(view, "qevict_omega16", 0)
+    row = {line.split("|")[1].strip(): line for line in diagnose_session(studio, final.session_id).splitlines()
+           if line.startswith("| ")}
+    assert {"qevict", "r1", "qevict_omega16"} <= set(row)
+
+
+def test_a_stored_session_that_names_a_retired_method_replays(studio):
+    final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=16)))[-1]
+    doc = json.loads(json.dumps(studio.store.export(final.session_id)))
+    for lane in doc["session"]["request"]["lanes"]:
+        lane.pop("config", None)  # sessions stored before lanes kept their config
+        if lane["method"] == "qevict":
+            lane["method"] = "qevict_cover"
+    new_id, _ = studio.store.import_session(json.dumps(doc))
+    view, _, _ = studio.replay(new_id)
+    # the retired name reads as the method it became with the changes it stood for, over the session's form
+    assert view.config("qevict")["coverage"] == 0.7 and view.config("qevict")["bits"] == 4
+    assert view.omega("qevict") == SETTINGS["omega"]
+    assert plots.tier_map(view, "qevict", 0).data[0].z
+    with pytest.raises(ValueError, match="allowed"):
+        parse_request("hi", ["qevict_pool"], **SETTINGS, max_new_tokens=4)
+
+
+def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(studio):
+    final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=16)))[-1]
+    doc = studio.store.export(final.session_id)
+    routing = next(e for e in doc["events"] if e["kind"] == "routing")
+    routing["scores"]["299999"] = 0.5  # a valid-looking key far past the session's 16 + prompt tokens
+    with pytest.raises(ValueError, match=r"names window 299999; this lane's windows are 0\.\.\d+"):
+        studio.store.import_session(json.dumps(doc))
+    routing["scores"].pop("299999")
+    routing["seen"] = 10**6
+    with pytest.raises(ValueError, match="recent_start <= seen <="):
+        studio.store.import_session(json.dumps(doc))
+    # The largest run the schema admits at Ω = 1 is drawn within the bounds, its axes saying how.
+    windows, steps = 20_000, 512
+    view = RunView({"lanes": [{"name": "r", "method": "r1"}], "config": {"sinks": 0, "omega": 1},
+                    "sampling": {"max_new_tokens": steps}, "prompt_tokens": ["a"] * (windows - steps)})
+    for step in range(steps):
+        view.apply({"kind": "routing", "lane": "r", "step": step, "layer": 0, "seen": windows - steps + step + 1,
+                    "recent_start": windows - steps + step - 31, "full": list(range(0, 2000, 3)),
+                    "quantized": [], "promoted": [step], "demoted": [], "evicted": [],
+                    "scores": {str(w): float(w % 7) for w in range(0, windows, 97)}})
+    fig = plots.tier_map(view, "r", 0)
+    cells = len(fig.data[0].z) * len(fig.data[0].z[0])
+    assert cells <= plots.MAX_CELLS and len(fig.data[0].z[0]) == plots.MAX_EVENTS_DRAWN
+    assert fig.layout.yaxis.title.text.startswith("every ") and list(fig.data[0].y)[1] > 1
+    heat = plots.score_heatmap(view, "r")
+    assert len(heat.data[0].z[0]) <= plots.MAX_WINDOWS_DRAWN and "largest of" in heat.layout.xaxis.title.text
+    assert len(fig.to_json()) < 3 * 2**20

@@ -83,14 +83,15 @@ def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> s
     event = events[-1] if events else None
     if event is not None:
         event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
+    sinks, omega = view.sinks(lane), view.omega(lane)
     spans, current, run = [], None, []
     for position in range(start, stop):
-        if position < view.sinks:
+        if position < sinks:
             tier = "sink"
         elif event is None:
             tier = "recent"
         else:
-            tier = window_tier(event, (position - view.sinks) // view.omega, view.sinks, view.omega) or "recent"
+            tier = window_tier(event, (position - sinks) // omega, sinks, omega) or "recent"
         if tier != current and run:
             spans.append(_span(current, run))
             run = []
@@ -102,7 +103,7 @@ def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> s
                       f'</span>' for t, c in TIER_COLORS.items())
     hidden = len(pieces) - (stop - start)
     title = _esc(f"{lane}, {view.where(lane, layer, head)}") if lane else "prompt"
-    note = (f" The chat template adds {hidden} tokens around it (the first {view.sinks} are the attention sinks);"
+    note = (f" The chat template adds {hidden} tokens around it (the first {sinks} are the attention sinks);"
             " they are not shown." if hidden else "")
     return (f'<div class="qe-prompt"><div><b>{title}</b> — {legend}</div><div class="qe-caption">Your prompt, '
             f'each token on the colour of its window\'s tier after the latest routing event.{note}</div>'
@@ -116,13 +117,14 @@ def _span(tier: str, pieces: list[str]) -> str:
 def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit: int = 12) -> str:
     """The latest promotions and demotions of ``layer`` (and ``head``) in words, with the text of each window."""
     events = view.layer_events(lane, layer, head) if lane else []
+    sinks, omega = view.sinks(lane), view.omega(lane)
     lines = []
     for event in reversed(events):
         for window, move in ([(w, "promoted: low-bit → full precision") for w in event["promoted"]]
                              + [(w, "demoted: full precision → low-bit") for w in event["demoted"]]):
-            first = view.sinks + window * view.omega
-            snippet = " ".join(view.token_text(lane, first, first + view.omega).split())[:60]
-            lines.append(f"<li>step {event['step']}: window {window} (tokens {first}–{first + view.omega - 1}, "
+            first = sinks + window * omega
+            snippet = " ".join(view.token_text(lane, first, first + omega).split())[:60]
+            lines.append(f"<li>step {event['step']}: window {window} (tokens {first}–{first + omega - 1}, "
                          f"“{_esc(snippet)}”) {move}</li>")
         if event["evicted"]:
             lines.append(f"<li>step {event['step']}: {len(event['evicted'])} window(s) evicted for good "

@@ -41,7 +41,7 @@ class RunForm(BaseModel):
     budget: Annotated[float, _number(0.01, 1.0)]
     omega: Annotated[int, Field(ge=1, le=64)]
     q_frac: Annotated[float, _number(0.0, 1.0)]
-    coverage: Annotated[float, _number(0.0, 1.0)] = 0.0  # 0: Eq. 3's split by q
+    coverage: Annotated[float, _number(0.0, 1.0)] = QEvictConfig().coverage or 0.0  # 0: Eq. 3's split by q
     bits: int
     sinks: Annotated[int, Field(ge=0, le=64)]
     recent: Annotated[int, Field(ge=0, le=1024)]
@@ -64,7 +64,7 @@ class RunForm(BaseModel):
     def _methods(cls, lanes: list[str | None]) -> list[str | None]:
         unknown = [m for m in lanes if m and m != NO_LANE and m not in METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {[m[:40] for m in unknown]}; allowed: {sorted(METHODS)} or {NO_LANE}")
+            raise ValueError(f"unknown method(s) {[m[:40] for m in unknown]}; allowed: {list(METHODS)} or {NO_LANE}")
         if not any(m and m != NO_LANE for m in lanes):
             raise ValueError("choose at least one lane")
         return lanes
@@ -95,7 +95,7 @@ class RunRequest:
 
 def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_frac: Any, bits: Any, sinks: Any,
                   recent: Any, scorer: Any, promotion: Any, max_new_tokens: Any, temperature: Any = 0.0,
-                  seed: Any = 0, expected: Any = "", coverage: Any = 0.0) -> RunRequest:
+                  seed: Any = 0, expected: Any = "", coverage: Any = QEvictConfig().coverage or 0.0) -> RunRequest:
     """Raw control values -> a request; ValueError naming the control, what is allowed and what was sent."""
     try:
         form = RunForm(prompt=prompt, lanes=list(methods), budget=budget, omega=omega, q_frac=q_frac, bits=bits,
@@ -107,7 +107,9 @@ def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_fr
     chosen = tuple(m for m in form.lanes if m and m != NO_LANE)
     config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, coverage=form.coverage or None,
                           bits=form.bits, sinks=form.sinks, recent=form.recent, scorer=form.scorer,
-                          promotion=form.promotion, record_events=True)
+                          promotion=form.promotion, record_events=True,
+                          # keynorm's scores are not attention masses, so nothing pools them
+                          **({"pool": 0} if form.scorer == "keynorm" else {}))
     sampling = Sampling(max_new_tokens=form.max_new_tokens, temperature=form.temperature, seed=form.seed)
     return RunRequest(form.prompt, chosen, config, sampling, form.expected.strip())
 

@@ -10,6 +10,12 @@ GLOSSARY = """
   **demoted** to low-bit (▼) when it fades. Its codes are written once and reused, so moves add no error.
 - **evicted** — the lowest-ranked windows, deleted for good.
 
+**QEvict's settings** (the `qevict` lane): windows routed per layer every Ω = 8 tokens; the low-bit tier in INT4
+with float16 scales, sized first to hold 70% of the windows (*coverage* κ = 0.7; the bytes left buy full-precision
+windows); a window ranks by its score plus a tenth of the score of the window before it (*forward pooling*), so a
+kept passage tends to keep its continuation. `qevict_paper` is the paper's configuration taken literally: INT2,
+Eq. 3's split (q = 0.70), no pooling.
+
 **Lane cards and the stats table**
 - **KV MiB / % of FullKV** — bytes of every tensor the cache keeps right now (keys, values, codes, scales, window
   ids, score tables, buffers), against the uncompressed cache of the same tokens.

@@ -111,6 +111,7 @@ class Studio:
             if cache.summary().get("uncompressed"):
                 spec["note"] = ("The budget holds this whole run uncompressed, so this lane is FullKV: nothing is "
                                 "routed, quantized or evicted.")
+            spec["config"] = cache.config.to_dict()  # what this lane runs with: its method's fields, its capacities
             lanes.append(Lane(name, cache))
             specs.append(spec)
         request = {
@@ -248,27 +249,44 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
     if not lanes:
         return "This run has no routed lane (QEvict or its ablations): nothing to diagnose."
     prompt, _ = studio.encode(meta["prompt"])
-    config, sampling = meta["request"]["config"], meta["request"]["sampling"]
+    sampling = meta["request"]["sampling"]
     max_length = prompt.shape[1] + sampling["max_new_tokens"]
     columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
     header = "| lane | " + " | ".join(columns) + " |"
     rows = [header, "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
+    problems = []
+    vocab = int(getattr(studio.model.config, "vocab_size", 0) or 0)
     for name in lanes:
         lane = view.lanes[name]
         if len(lane.tokens) < 2:
+            problems.append(f"- `{name}`: fewer than two generated tokens, nothing to diagnose.")
+            continue
+        if prompt.shape[1] != int(meta["request"]["prompt_length"]):
+            problems.append(f"- `{name}`: this model reads the stored prompt as {prompt.shape[1]} tokens, the run "
+                            f"had {meta['request']['prompt_length']}: it was made with another model or tokenizer.")
+            continue
+        if vocab and max(lane.tokens) >= vocab:
+            problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
+                            f"({vocab} ids): the run was made with another model.")
             continue
         sequence = torch.cat([prompt, torch.tensor([lane.tokens[:-1]])], dim=1)
-        traces = dg.reference_traces(studio.model, sequence.to(next(studio.model.parameters()).device),
-                                     prompt.shape[1])
-        omega, sinks = int(config["omega"]), int(config["sinks"])
-        result = dg.diagnose(traces, view.routing[name], prompt.shape[1], sinks, omega,
-                             math.ceil((max_length - sinks) / omega), int(lane.summary.get("k_full", 1)))
+        omega, sinks = view.omega(name), view.sinks(name)
+        try:
+            traces = dg.reference_traces(studio.model, sequence.to(next(studio.model.parameters()).device),
+                                         prompt.shape[1])
+            result = dg.diagnose(traces, view.routing[name], prompt.shape[1], sinks, omega,
+                                 math.ceil((max_length - sinks) / omega), int(lane.summary.get("k_full", 1)))
+        except (ValueError, IndexError, KeyError, RuntimeError) as err:  # a stored run this model cannot redo
+            problems.append(f"- `{name}`: cannot be diagnosed ({type(err).__name__}: {str(err)[:200]}).")
+            continue
         cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
         cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]
         rows.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
+    if len(rows) == 2:
+        return "**This run cannot be diagnosed here.**\n\n" + "\n".join(problems)
     return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I of the "
             "paper; see the glossary below): lower FMM is better; QSA near 1 means the low-bit scores rank like "
-            "full precision.\n\n" + "\n".join(rows))
+            "full precision.\n\n" + "\n".join(rows) + ("\n\n" + "\n".join(problems) if problems else ""))
 
 
 def summarize(view: RunView) -> dict:

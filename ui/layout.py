@@ -10,7 +10,7 @@ import tempfile
 import gradio as gr
 
 from qevict_core import QEvictConfig
-from qevict_core.registry import METHODS
+from qevict_core.registry import METHODS, resolve
 from storage.schema import max_import_bytes
 
 from . import cards, plots, sessions
@@ -26,22 +26,40 @@ from .view import RunView
 DEFAULTS = QEvictConfig()
 INTRO = """# QEvict studio
 Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache
-(FullKV), a baseline and QEvict, which keeps the most-attended windows of past tokens in full precision, a broad
-middle in 2 bits that can be promoted back, and evicts the rest. Pick an example and press **Generate**. Every run
+(FullKV), a baseline and QEvict, which keeps most windows of past tokens in 4 bits that still take part in
+attention and can be promoted back, the most-attended ones in full precision when the bytes allow, and evicts the
+rest. Pick an example and press **Generate**. Every run
 is saved; its share link replays it step by step."""
 NO_RUN = plots.empty_figure("No run yet.")
 CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
 
 def methods_markdown() -> str:
-    rows = [f"| `{name}` | {spec.description} | {spec.reference} |" for name, spec in METHODS.items()]
-    return "| method | keeps | follows |\n|---|---|---|\n" + "\n".join(rows)
+    rows = [f"| `{name}` | {spec.description} | {spec.reference} |" for name, spec in METHODS.items()
+            if spec.kind == "method"]
+    ablations = [f"| `{name}` | {spec.description} |" for name, spec in METHODS.items() if spec.kind == "ablation"]
+    return ("| method | keeps | follows |\n|---|---|---|\n" + "\n".join(rows)
+            + "\n\n**Ablations** (in the lane menus once *Show ablations* is ticked):\n\n| ablation | keeps |\n"
+              "|---|---|\n" + "\n".join(ablations))
+
+
+def lane_choices(ablations: bool) -> list[tuple[str, str]]:
+    """A lane menu: the product's methods in the registry's order, then, when asked, the ablations, marked."""
+    return ([(NO_LANE, NO_LANE)] + [(name, name) for name, spec in METHODS.items() if spec.kind == "method"]
+            + [(f"ablation · {name}", name) for name, spec in METHODS.items() if ablations and spec.kind == "ablation"])
+
+
+def show_ablations(ablations: bool, *values: str):
+    """The three lane menus with or without the ablations; a lane set to an ablation keeps it."""
+    return tuple(gr.update(choices=lane_choices(ablations or METHODS.get(v) is not None
+                                                and METHODS[v].kind == "ablation")) for v in values)
 
 
 def map_lane(view: RunView | None) -> str | None:
     """The lane whose routing the tier map shows: the first QEvict-family lane that has routed."""
     routed = view.routed_lanes() if view is not None else []
-    return next((n for n in routed if METHODS[view.lanes[n].method].family == "qevict"), routed[0] if routed else None)
+    return next((n for n in routed if METHODS[resolve(view.lanes[n].method)[0]].family == "qevict"),
+                routed[0] if routed else None)
 
 
 def routing_outputs(view: RunView | None, layer: int, head: int = 0) -> tuple:
@@ -85,7 +103,7 @@ def view_panel(prefix: str, layers: int, heads: int) -> tuple:
 def build_demo(studio: Studio) -> gr.Blocks:
     tabs_state = TabRuns()
     layers, heads = studio.num_layers, studio.num_kv_heads
-    method_choices = [NO_LANE] + sorted(METHODS)
+    method_choices = lane_choices(False)
 
     with gr.Blocks(title="QEvict studio", analytics_enabled=False) as demo:
         owned = gr.BrowserState([], storage_key=sessions.STORAGE_KEY,
@@ -106,6 +124,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
                             lane1 = gr.Dropdown(method_choices, value="fullkv", label="Lane 1", elem_id="lane1")
                             lane2 = gr.Dropdown(method_choices, value="snapkv", label="Lane 2", elem_id="lane2")
                             lane3 = gr.Dropdown(method_choices, value="qevict", label="Lane 3", elem_id="lane3")
+                        ablations = gr.Checkbox(False, label="Show ablations (R1, R2, no promotion, scorers, Ω, "
+                                                "per-head routing, …) in the lane menus", elem_id="ablations")
                         budget = FormSlider(0.01, 1.0, value=DEFAULTS.budget, step=0.01, elem_id="budget",
                                            label="KV budget: share of FullKV's bytes (0.01–1)")
                         max_new = FormSlider(1, MAX_NEW_TOKENS, value=64, step=1, elem_id="max-new",
@@ -116,7 +136,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
                                                   "interval, tokens (1–64)")
                                 q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
                                                    label="q: share of the history budget in low bits (0–1)")
-                                coverage = FormSlider(0.0, 1.0, value=0.0, step=0.05, elem_id="coverage",
+                                coverage = FormSlider(0.0, 1.0, value=DEFAULTS.coverage or 0.0, step=0.05, elem_id="coverage",
                                                       label="coverage κ: share of the windows the low-bit tier is "
                                                             "sized for first (0 = split by q)")
                             with gr.Row():
@@ -182,6 +202,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
             return prompt_text, answer
 
         example.change(pick_example, example, [prompt, expected], api_visibility="private")
+        ablations.change(show_ablations, [ablations, lane1, lane2, lane3], [lane1, lane2, lane3],
+                         api_visibility="private")
         run_inputs = [prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
                       max_new, temperature, seed, layer, expected, head, coverage]
         view_outputs = [lanes_out, stats, memory, tier_plot, heat_plot, moves, prompt_view]
@@ -195,7 +217,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         @GPU(duration=300)
         def generate(prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
-                     max_new_tokens, temperature, seed, layer, expected="", head=0, coverage=0.0,
+                     max_new_tokens, temperature, seed, layer, expected="", head=0, coverage=DEFAULTS.coverage or 0.0,
                      request: gr.Request = None):
             """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats table, bytes plot, tier
             map, score heatmap, routing moves, prompt by tier, share link). Lanes are method names from
@@ -286,7 +308,10 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         @GPU(duration=120)
         def run_diagnostics(session_id):
-            return diagnose_session(studio, (session_id or "").strip())
+            try:
+                return diagnose_session(studio, (session_id or "").strip())
+            except Exception as err:  # the page says why, whatever a stored run holds
+                return f"**Diagnostics failed:** {type(err).__name__}: {str(err)[:300]}"
 
         diagnose_btn.click(run_diagnostics, replay_id, diagnostics_out, concurrency_id="gpu", concurrency_limit=1,
                            api_visibility="private")

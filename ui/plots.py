@@ -25,6 +25,11 @@ BYTE_GROUPS = {
 GROUP_COLORS = {"full precision": TIER_COLORS["full"], "low-bit codes": TIER_COLORS["quantized"],
                 "low-bit scales": "#fcd34d", "bookkeeping": "#9ca3af"}
 MiB = 2**20
+# Drawing bounds: a figure never holds more cells than this, whatever a stored session names (a long run at a small
+# Ω is shown by every k-th window and evenly spaced routing events, and the axis says so).
+MAX_CELLS = 120_000
+MAX_EVENTS_DRAWN = 240
+MAX_WINDOWS_DRAWN = 1_000
 TOP_LEGEND = {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "font": {"size": 11}}
 
 
@@ -47,22 +52,27 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     events = view.layer_events(lane, layer, head) if lane else []
     if not events:
         return empty_figure("The tier map appears at the first routing event of a QEvict lane.")
-    sinks, omega = view.sinks, view.omega
+    sinks, omega = view.sinks(lane), view.omega(lane)
     n_windows = max(1, (events[-1]["seen"] - 1 - sinks) // omega + 1)
-    z = [[0] * len(events) for _ in range(n_windows)]
+    shown = _spaced(len(events), MAX_EVENTS_DRAWN)  # indices of the events drawn, the last one included
+    every = max(1, -(-n_windows * len(shown) // MAX_CELLS))  # draw every k-th window
+    rows = range(0, n_windows, every)
+    z = [[0] * len(shown) for _ in rows]
     promoted, demoted = ([], []), ([], [])
-    for col, event in enumerate(events):
+    for col, index in enumerate(shown):
+        event = events[index]
         compact = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
-        for w in range(n_windows):
-            z[w][col] = TIER_CODES[window_tier(compact, w, sinks, omega)]
+        for row, w in enumerate(rows):
+            z[row][col] = TIER_CODES[window_tier(compact, w, sinks, omega)]
         for w in event["promoted"]:
             promoted[0].append(col), promoted[1].append(w)
         for w in event["demoted"]:
             demoted[0].append(col), demoted[1].append(w)
+    events = [events[i] for i in shown]
     colors = ["#ffffff", TIER_COLORS["recent"], TIER_COLORS["full"], TIER_COLORS["quantized"], TIER_COLORS["evicted"]]
     scale = [[bound, color] for i, color in enumerate(colors) for bound in (i / 5, (i + 1) / 5)]
     steps = [e["step"] for e in events]
-    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), colorscale=scale, zmin=-0.5, zmax=4.5,
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), y=list(rows), colorscale=scale, zmin=-0.5, zmax=4.5,
                                showscale=False, customdata=[[TIER_NAMES[c] for c in row] for row in z],
                                hovertemplate="event %{x}, window %{y}: %{customdata}<extra></extra>"))
     for name, color in zip(TIER_NAMES[1:], colors[1:]):  # a legend instead of a colour bar
@@ -75,8 +85,16 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event")
     fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},
-                      yaxis={"title": f"window ({omega} tokens)"})
+                      yaxis={"title": f"window ({omega} tokens)" if every == 1 else
+                             f"every {every}th window ({omega} tokens each)"})
     return fig
+
+
+def _spaced(n: int, most: int) -> list[int]:
+    """``most`` indices spread evenly over range(n), first and last included (all of them when n <= most)."""
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
 def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
@@ -89,17 +107,24 @@ def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
     per_head = any(e.get("head") is not None for e in latest.values())
     n_windows = 1 + max((max(map(int, e["scores"]), default=0) for e in latest.values()), default=0)
     rows = sorted(latest)
+    width = max(1, -(-n_windows // max(1, min(MAX_WINDOWS_DRAWN, MAX_CELLS // len(rows)))))  # windows per column
     z = []
     for layer in rows:
-        scores = {int(k): v for k, v in latest[layer]["scores"].items()}
-        z.append([round(scores[w], 3) if scores.get(w) is not None else None for w in range(n_windows)])
-    fig = go.Figure(go.Heatmap(z=z, y=rows, colorscale="Viridis",
+        line: list[float | None] = [None] * (-(-n_windows // width))
+        for key, value in latest[layer]["scores"].items():
+            column = int(key) // width
+            if value is not None and (line[column] is None or value > line[column]):
+                line[column] = value  # a column of several windows shows the largest score among them
+        z.append([None if v is None else round(v, 3) for v in line])
+    x = [c * width for c in range(len(z[0]))]
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=rows, colorscale="Viridis",
                                colorbar={"title": {"text": "score", "side": "top"}, "orientation": "h",
                                          "thickness": 8, "len": 0.6, "y": 1.02, "yanchor": "bottom"},
                                hovertemplate="layer %{y}, window %{x}: %{z}<extra></extra>"))
     fig = _layout(fig, f"{lane}{f', KV head {head}' if per_head else ''}: cumulative attention per window "
                        "(blank = evicted)")
-    fig.update_layout(xaxis={"title": "window"}, yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
+    fig.update_layout(xaxis={"title": "window" if width == 1 else f"window (each column the largest of {width})"},
+                      yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
     return fig
 
 

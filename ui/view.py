@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qevict_core import QEvictConfig
+from qevict_core.registry import stored_lane_config
+
 
 @dataclass
 class LaneView:
@@ -55,13 +58,22 @@ class RunView:
         self.routing: dict[str, dict[int, list[dict]]] = {name: {} for name in self.lanes}
         self.step = -1
 
-    @property
-    def sinks(self) -> int:
-        return int(self.request["config"]["sinks"])
+    def config(self, lane: str | None) -> dict[str, Any]:
+        """The config ``lane`` ran with (the form's when ``lane`` is None). A session stored before lanes kept
+        their own is read as the form's with the method's fields (and a retired method's) applied."""
+        form = self.request["config"]
+        if lane is None:
+            return form
+        spec = next(spec for spec in self.request["lanes"] if spec["name"] == lane)
+        if spec.get("config") is not None:
+            return spec["config"]
+        return stored_lane_config(spec["method"], QEvictConfig.from_dict(form)).to_dict()
 
-    @property
-    def omega(self) -> int:
-        return int(self.request["config"]["omega"])
+    def sinks(self, lane: str | None) -> int:
+        return int(self.config(lane)["sinks"])
+
+    def omega(self, lane: str | None) -> int:
+        return int(self.config(lane)["omega"])
 
     @property
     def max_new_tokens(self) -> int:
