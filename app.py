@@ -12,8 +12,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from qevict_core import load_model  # noqa: E402
 from storage import SessionStore, make_engine  # noqa: E402
 from storage.schema import max_import_bytes  # noqa: E402
-from ui.handlers import Studio  # noqa: E402
-from ui.layout import build_demo  # noqa: E402
+from ui.studio import Studio  # noqa: E402
+from ui.blocks import build_demo  # noqa: E402
 from ui.theme import CSS, HEAD, THEME  # noqa: E402
 
 

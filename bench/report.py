@@ -1,7 +1,7 @@
 """Tables and plots from benchmark JSONL: markdown tables, Pareto plots (PNG + interactive HTML), the FMM curve and
 the tier-mass chart. ``python -m bench.report`` re-renders the table and Pareto plot of every RULER folder
-(``ruler-*.jsonl``) and fidelity folder (``fidelity.jsonl``) under bench/results/; the other benchmarks render their
-own tables when they run."""
+(``ruler-*.jsonl``) and fidelity folder (``fidelity.jsonl``) under bench/results/, then every table marked in the docs (bench/markers.py);
+the other benchmarks render their own tables when they run."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
 from .common import RESULTS, read_jsonl  # noqa: E402
+from .compare import fidelity_paired, ruler_paired  # noqa: E402
+from .markers import update_documents  # noqa: E402
 
 COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
           "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",
@@ -40,6 +42,17 @@ def label(method: str, budget) -> str:
 
 
 def ruler_report(rows: list[dict], out: Path) -> Path:
+    """ruler_table.md (and the Pareto plots) in ``out``."""
+    text, points = ruler_text(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "ruler_table.md"
+    table.write_text(text)
+    pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
+    return table
+
+
+def ruler_text(rows: list[dict]) -> tuple[str, list[tuple]]:
+    """The RULER table (scores per task and length) and its paired comparisons, and the Pareto points."""
     cells = defaultdict(list)
     for r in rows:
         cells[(r["method"], r["budget"], r["task"], r["length"])].append(r)
@@ -70,15 +83,10 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
                                        + [f"{s:.1f}" if s is not None else "—" for s in scores]
                                        + [f"{a:.1f} ({len(s)})" if a is not None else "—"
                                           for a, s in zip(averages, per_length)] + [str(errors)]) + " |")
-    out.mkdir(parents=True, exist_ok=True)
-    table = out / "ruler_table.md"
-    table.write_text("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
+    return ("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
                      "the end of generation; avg: mean over every sample of that length (sample count in brackets); "
                      "errors: samples whose generation raised, left out of every score; K_f / K_q: tier capacities per layer "
-                     "(QEvict family, rows that recorded them).\n\n"
-                     + "\n".join(lines) + "\n")
-    pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
-    return table
+            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + ruler_paired(rows)), points
 
 
 def capacities(cells: dict, method: str, budget) -> str:
@@ -124,7 +132,19 @@ def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
 
 
 def fidelity_report(rows: list[dict], out: Path) -> Path:
-    """Means over passages with 95% t-intervals (rows without a passage index count as one passage)."""
+    """fidelity_table.md (and the Pareto plots) in ``out``."""
+    text, points = fidelity_text(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "fidelity_table.md"
+    table.write_text(text)
+    pareto(points, "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement",
+           out / "fidelity_pareto")
+    return table
+
+
+def fidelity_text(rows: list[dict]) -> tuple[str, list[tuple]]:
+    """Means over passages with 95% t-intervals (rows without a passage index count as one passage), and paired
+    differences against the best baseline."""
     header = ["method", "KV ratio", "K_f / K_q", "passages", "mean KL(FullKV‖method)", "top-1 agreement",
               "perplexity", "FullKV perplexity"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -139,13 +159,8 @@ def fidelity_report(rows: list[dict], out: Path) -> Path:
                      f"{interval([r['kl'] for r in group], 4)} | {interval([r['top1'] for r in group])} | "
                      f"{interval([r['ppl'] for r in group], 2)} | {mean(r['ppl_fullkv'] for r in group):.2f} |")
         points.append((method, budget, ratio, top1))
-    out.mkdir(parents=True, exist_ok=True)
-    table = out / "fidelity_table.md"
-    table.write_text("Mean over passages ± half-width of the 95% t-interval; K_f / K_q: tier capacities per layer "
-                     "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n")
-    pareto(points, "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement",
-           out / "fidelity_pareto")
-    return table
+    return ("Mean over passages ± half-width of the 95% t-interval; K_f / K_q: tier capacities per layer "
+            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + fidelity_paired(rows)), points
 
 
 def main(argv=None) -> None:
@@ -157,6 +172,8 @@ def main(argv=None) -> None:
             print(ruler_report(read_jsonl(shards), folder))
         if (folder / "fidelity.jsonl").exists():
             print(fidelity_report(read_jsonl([folder / "fidelity.jsonl"]), folder))
+    for path in update_documents():  # the tables between markers in README.md, bench/README.md and docs/
+        print(path)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import psutil
 import torch
 
 from qevict_core import BudgetTooSmall
-from qevict_core.fast_path import kernel_path
+from qevict_core.backends import choose
 from qevict_core.prefill import prefill
 
 from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
     device = next(model.parameters()).device
-    meta["auto_path"] = kernel_path("auto", device, next(model.parameters()).dtype)  # what a bare "qevict" runs
+    meta["auto_path"] = choose("auto", device, next(model.parameters()).dtype).name  # what a bare "qevict" runs
     if args.mmap_threshold is not None:
         if device.type != "cpu":
             raise ValueError("--mmap-threshold applies to CPU runs (each in a fresh process); this run is on "

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qevict_core.ledger import WindowLedger
 
+from .packed import PackedWindows, window_positions
 from .ledger_tiles import load_keys, load_values
 
 
@@ -72,7 +72,7 @@ def _quant_attention_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes
     tl.store(lse_ptr + row_index, lse, mask=rmask)
 
 
-def quant_attention(query: torch.Tensor, ledger: WindowLedger, sinks: int, inv_freq: torch.Tensor,
+def quant_attention(query: torch.Tensor, ledger: PackedWindows, sinks: int, inv_freq: torch.Tensor,
                     rope_scale: float, sm_scale: float, splits: int | None = None,
                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """query (B, Hq, Lq, D) post-RoPE over the ledger's windows -> (out (B, Hq, Lq, D), lse (B, Hq, Lq)), float32."""
@@ -104,11 +104,9 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: flo
     return angle.cos() * rope_scale, angle.sin() * rope_scale
 
 
-def dequantized_keys_reference(ledger: WindowLedger, sinks: int, inv_freq: torch.Tensor, rope_scale: float,
+def dequantized_keys_reference(ledger: PackedWindows, sinks: int, inv_freq: torch.Tensor, rope_scale: float,
                                dtype: torch.dtype = torch.float32):
     """The same dequantize + re-rotate in PyTorch, computed in ``dtype``: (keys (B, Hkv, T, D), values)."""
-    from qevict_core.layout import window_positions
-
     keys, values = ledger.dequantize(dtype)
     cos, sin = rope_tables(window_positions(ledger.ids, sinks, ledger.omega), inv_freq, rope_scale)
     keys = keys.to(dtype)

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qevict_core.ledger import WindowLedger
-
+from .packed import PackedWindows, window_positions
 from .ledger_tiles import load_keys
 from .quant_attention import dequantized_keys_reference
 
@@ -69,7 +68,7 @@ def _launch(query, query_pos, lse, n_tokens, quant, keys=None, key_pos=None, led
     return out
 
 
-def quant_mass(query, query_pos, lse, ledger: WindowLedger, sinks, inv_freq, rope_scale, sm_scale) -> torch.Tensor:
+def quant_mass(query, query_pos, lse, ledger: PackedWindows, sinks, inv_freq, rope_scale, sm_scale) -> torch.Tensor:
     """Per-key mass (B, Hkv, T) over the ledger's tokens, summed over each group's heads and the queries."""
     return _launch(query, query_pos, lse, ledger.k_codes.shape[2], True, ledger=ledger, sinks=sinks,
                    inv_freq=inv_freq, rope_scale=rope_scale, sm_scale=sm_scale)
@@ -91,7 +90,5 @@ def mass_reference(query, query_pos, lse, keys, key_pos, sm_scale) -> torch.Tens
 
 
 def quant_mass_reference(query, query_pos, lse, ledger, sinks, inv_freq, rope_scale, sm_scale):
-    from qevict_core.layout import window_positions
-
     keys, _ = dequantized_keys_reference(ledger, sinks, inv_freq, rope_scale)
     return mass_reference(query, query_pos, lse, keys, window_positions(ledger.ids, sinks, ledger.omega), sm_scale)

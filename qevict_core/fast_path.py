@@ -10,51 +10,7 @@ The prompt (nothing quantized yet) still takes SDPA and the chunked PyTorch scor
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-def kernel_path(setting: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which path reads the quantized tier: "triton" (this module), "cpu" (``cpu_path``, the C kernel) or "torch"
-    (rebuilt in full precision every step, ``assemble``).
-
-    auto: Triton on CUDA when installed, the C kernel on the CPU in float32 when a compiler builds it, else torch.
-    triton: forced (on CPU only under TRITON_INTERPRET=1). cpu: forced (CPU, float32). torch: always.
-    """
-    if setting == "torch":
-        return "torch"
-    if setting == "cpu" or (setting == "auto" and device.type == "cpu"):
-        why = _cpu_kernel_unusable(device, dtype)
-        if why is None:
-            return "cpu"
-        if setting == "cpu":
-            raise ValueError(f"kernels='cpu' cannot run: {why} (kernels='torch' always can)")
-        return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
-        if setting == "triton":
-            raise ValueError("kernels='triton' needs the triton package (pip install triton)") from err
-        return "torch"
-    if device.type == "cuda":
-        return "triton"
-    if setting == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("kernels='triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                             "starting Python (or use kernels='torch')")
-        return "triton"
-    return "torch"
-
-
-def _cpu_kernel_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cpu":
-        return f"the model is on {device.type}, the C kernel runs on the CPU"
-    if dtype != torch.float32:
-        return f"the model is in {dtype}, the C kernel reads float32 scales and keys"
-    from kernels import cpu_decode
-
-    return cpu_decode.available()
-
 
 def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float):
     """-> (out (B, Hq, L, D), lse (B, Hq, L)) float32 over the full-precision keys and the quantized tier."""

@@ -39,7 +39,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .budget import KVShape
-from .cache import QEvictCache, QEvictLayer
+from .cache import QEvictCache
+from .qevict_layer import QEvictLayer
 from . import head_move, head_step
 from .cache_base import ReportingLayer
 from .config import QEvictConfig
@@ -104,7 +105,8 @@ class HeadwiseLayer(ReportingLayer):
 
     def _one_pass(self, tokens: int) -> bool:
         owner = self.owner
-        return owner.kernels == "cpu" and owner.step > 0 and tokens == 1 and not owner.plan.uncompressed
+        return (owner.backend.steps_heads_in_one_pass and owner.step > 0 and tokens == 1
+                and not owner.plan.uncompressed)
 
     def _stack_tables(self) -> None:
         self.scores = torch.cat([head.scores for head in self.heads])

@@ -19,7 +19,14 @@ from .head_cache import HeadwiseQEvictCache
 from .kivi import KIVICache
 from .kvquant import KVQuantCache
 from .padded import RowCache
-from .policies import H2O, AdaKV, CriticalKV, DefensiveKV, LayerDefensiveKV, Policy, SnapKV, StreamingLLM
+from .policies.adakv import AdaKV
+from .policies.base import Policy
+from .policies.criticalkv import CriticalKV
+from .policies.defensivekv import DefensiveKV
+from .policies.h2o import H2O
+from .policies.layer_defensivekv import LayerDefensiveKV
+from .policies.snapkv import SnapKV
+from .policies.streamingllm import StreamingLLM
 from .scorers import make_scorer
 from .zipcache import ZipCacheCache
 
@@ -32,6 +39,7 @@ class MethodSpec:
     family: str  # "reference", "qevict", "eviction" or "quantization"
     kind: str = "method"  # "method": the product's list; "ablation": runnable by name, for the benchmarks
     fixed: Mapping[str, Any] = field(default_factory=dict)  # the QEvictConfig fields this method sets itself
+    policy: type | None = None  # the eviction policy an "eviction" method runs
 
     def lane_config(self, config: QEvictConfig) -> QEvictConfig:
         """The config a lane of this method runs with, given the form's (before any capacity fitting)."""
@@ -92,7 +100,7 @@ def _kvquant(bits: int) -> Callable[..., ReportingCache]:
 
 
 def _policy_spec(name: str, make_policy: Callable[[QEvictConfig], Policy], cls: type[Policy]) -> MethodSpec:
-    return MethodSpec(_evict(name, make_policy), cls.description, cls.reference, "eviction")
+    return MethodSpec(_evict(name, make_policy), cls.description, cls.reference, "eviction", policy=cls)
 
 
 # The paper's QEvict, taken literally: every field QEvictConfig.paper() sets that the form does not own (the form
@@ -100,7 +108,7 @@ def _policy_spec(name: str, make_policy: Callable[[QEvictConfig], Policy], cls: 
 PAPER = {k: v for k, v in QEvictConfig.paper().to_dict().items()
          if k in ("bits", "scale_dtype", "q_frac", "coverage", "scorer", "pool", "pool_weight", "pool_direction",
                   "promotion", "prefill_window")}
-# QEvict's default before the choice of issue 31 (bench/README.md): INT2 in the model's dtype, Eq. 3, no pooling.
+# QEvict's default before the current one was chosen (bench/README.md): INT2 in the model's dtype, Eq. 3, no pooling.
 EARLIER = dict(bits=2, scale_dtype="model", coverage=None, pool=0, pool_weight=1.0, pool_direction="both")
 # Per-head routing as measured: the default's pooling, every head at the layer's capacities.
 HEADWISE = dict(pool=1, pool_direction="forward", pool_weight=0.1, head_floor=1.0)
@@ -108,8 +116,9 @@ HEADWISE = dict(pool=1, pool_direction="forward", pool_weight=0.1, head_floor=1.
 METHODS: dict[str, MethodSpec] = {
     "fullkv": MethodSpec(FullKVCache, "Uncompressed cache: every token in full precision (the reference).",
                          "transformers DynamicCache semantics", "reference"),
-    "qevict": MethodSpec(_qevict("qevict"), "QEvict: the most-attended windows of past tokens in full precision, "
-                         "a broad middle in 4 bits that can be promoted back, the rest evicted.",
+    "qevict": MethodSpec(_qevict("qevict"), "QEvict: most windows of past tokens in 4 bits that still take part in "
+                         "attention and can be promoted back, the most-attended in full precision when the bytes "
+                         "allow, the rest evicted.",
                          "arXiv 2608.05326, Alg. 1; default chosen in bench/README.md", "qevict"),
     "qevict_paper": MethodSpec(_qevict("qevict_paper"), "QEvict as the paper configures it: a 2-bit middle tier, "
                                "Eq. 3's split (q = 0.70), prefill scores summed over every prompt query.",

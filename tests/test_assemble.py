@@ -4,7 +4,7 @@ same keys and values at every step, so the same tokens."""
 import pytest
 import torch
 
-import qevict_core.cache as cache_module
+import qevict_core.qevict_layer as cache_module
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.assemble import assemble, assemble_reference
 from qevict_core.layout import window_positions

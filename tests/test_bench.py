@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import diagnostics, drift, fidelity, needle_tiers, ruler, speed
+from bench import conditions, drift, fidelity, needle_tiers, ruler, speed
 from bench.common import Variant, parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
 from qevict_core.testing import tiny_chat_model, tiny_tokenizer
@@ -227,7 +227,7 @@ def test_drift_slope_and_growth_follow_their_definitions():
 
 
 def test_diagnostics_smoke(tmp_path):
-    diagnostics.main(["--model", "tiny", "--prefill", "256", "--generate", "48", "--articles", "1",
+    conditions.main(["--model", "tiny", "--prefill", "256", "--generate", "48", "--articles", "1",
                       "--budget", "0.5", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "diagnostics.json").read_text())
     r3 = result["conditions"]["R3"]

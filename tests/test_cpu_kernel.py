@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_decode
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.fast_path import kernel_path
+from qevict_core.backends import choose
 from tests.conftest import random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_decode.available() is not None,
@@ -278,16 +278,16 @@ def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch):
     monkeypatch.setenv("QEVICT_CACHE_DIR", "/nonexistent/cache")
     cpu_decode._forget()
     try:
-        assert kernel_path("auto", torch.device("cpu"), torch.float32) == "torch"
+        assert choose("auto", torch.device("cpu"), torch.float32).name == "torch"
         with pytest.raises(ValueError, match="no C compiler found"):
-            kernel_path("cpu", torch.device("cpu"), torch.float32)
+            choose("cpu", torch.device("cpu"), torch.float32)
     finally:
         monkeypatch.undo()
         cpu_decode._forget()
-    assert kernel_path("auto", torch.device("cpu"), torch.float32) == "cpu"
-    assert kernel_path("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert choose("auto", torch.device("cpu"), torch.float32).name == "cpu"
+    assert choose("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
     with pytest.raises(ValueError, match="float32"):
-        kernel_path("cpu", torch.device("cpu"), torch.bfloat16)
+        choose("cpu", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 1)])
@@ -299,7 +299,7 @@ def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits)
     for kernels in ("torch", "cpu"):  # 48 steps: six routing events after the prefill, with promotions
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels, coverage=None),
                            max_length=400 + 48, batch_size=2)
-        assert cache.kernels == kernels
+        assert cache.backend.name == kernels
         out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
         memory = cache.memory_report()
         assert memory["total_bytes"] <= memory["budget_bytes"]

@@ -184,7 +184,7 @@ def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
     for allowed in (False, True):
         monkeypatch.setattr(HeadwiseLayer, "_one_pass", lambda self, n, _a=allowed: _a and one_pass(self, n))
         cache = make_cache("qevict_head", model, config, max_length=prompt.shape[1] + new)
-        assert cache.kernels == "cpu"
+        assert cache.backend.name == "cpu"
         out = model.generate(prompt, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         runs.append((out.sequences, torch.stack(out.logits), cache))
@@ -264,7 +264,7 @@ def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, fa
     monkeypatch.setattr(head_move, "move_heads", both)
     model = tiny_model(family, kv_heads)
     cache = make_cache("qevict_head", model, config, max_length=560)
-    assert cache.kernels == "cpu"
+    assert cache.backend.name == "cpu"
     model.generate(random_prompt(500), cache=cache, max_new_tokens=56, min_new_tokens=56, do_sample=False)
     assert len(checked) == 6 * len(cache.layers)  # every routing event of the decode (seen 508, 516, ..., 548)
     assert (sum(checked) > 0) == config.promotion  # promotions happened, and were compared

@@ -118,7 +118,7 @@ def test_kernel_path_needs_the_interpreter_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         make_cache("qevict", tiny_model(), QEvictConfig(budget=0.3, kernels="triton"), max_length=600)
-    auto = make_cache("qevict", tiny_model(), QEvictConfig(budget=0.3), max_length=600).kernels
+    auto = make_cache("qevict", tiny_model(), QEvictConfig(budget=0.3), max_length=600).backend.name
     assert auto in ("cpu", "torch")  # on CPU, auto never picks the interpreter
 
 
@@ -129,7 +129,7 @@ def test_forced_kernels_generate_the_torch_paths_tokens(kv_heads):
     results = {}
     for kernels in ("torch", "triton"):  # 48 steps: six routing events after the prefill
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels), max_length=400 + 48)
-        assert cache.kernels == kernels
+        assert cache.backend.name == kernels
         out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
         results[kernels] = (out[0, 400:].tolist(), cache.summary(), cache.memory_report())
     torch_tokens, torch_moves, torch_mem = results["torch"]

@@ -56,7 +56,7 @@ class Replay:
         query = torch.cat([q for q, _ in self.queries[layer.layer_idx]], dim=2)
         query_pos = torch.cat([p for _, p in self.queries[layer.layer_idx]])
         key_pos = layer.attended_positions()
-        if layer.owner.kernels != "torch":  # the step read the quantized tier in place: replay against it too
+        if layer.owner.backend.reads_tier_in_place:  # the step read the quantized tier in place: replay against it too
             keys, _ = layer._with_quantized([keys], [keys])
         mass = key_attention_mass(query, query_pos, keys, key_pos, scaling)
         u = window_mass(mass, key_pos, *layer._grid, self.cache.plan.num_windows)

@@ -35,6 +35,20 @@ def test_two_clients_are_queued_and_isolated(tmp_path, monkeypatch):
         assert bad[2]["data"] == [] and bad[-1] == ""
         wrong_layer = client.predict(prompt="hi", **{**args, "layer": 7}, api_name="/generate")
         assert "layer: must be a whole number from 0 to 2 (got 7" in wrong_layer[0]
+        # Off the controls' choices or of the wrong JSON type: the same nine outputs, the reason in status, and
+        # nothing converted (Gradio's components would raise, or turn "16" into 16).
+        for change, reason in [({"lane1": "magic"}, "unknown method(s) ['magic']; allowed:"),
+                               ({"lane1": {"method": "qevict"}}, "Lanes: Input should be a valid string"),
+                               ({"bits": 3}, "bits: must be one of (2, 4) (got 3)"),
+                               ({"bits": "2"}, "bits: Input should be a valid integer (got '2')"),
+                               ({"scorer": "nope"}, "scorer: must be one of"),
+                               ({"max_new_tokens": "16"}, "Max new tokens: Input should be a valid integer"),
+                               ({"promotion": "yes"}, "promotion: Input should be a valid boolean"),
+                               ({"prompt": 12345}, "Prompt: Input should be a valid string"),
+                               ({"prompt": ["hi"]}, "Prompt: Input should be a valid string")]:
+            out = client.predict(**{"prompt": "hi", **args, **change}, api_name="/generate")
+            assert len(out) == 9 and out[0].startswith("**Cannot run:**") and reason in out[0], (change, out[0])
+            assert out[2]["data"] == [] and out[-1] == ""
     finally:
         demo.close()
     from sqlalchemy import select

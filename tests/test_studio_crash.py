@@ -11,14 +11,15 @@ from tests.browser import StudioProcess, chromium, need_chromium, open_page, set
 pytestmark = pytest.mark.browser
 
 
-def shown_tokens(page) -> dict[str, int]:
-    """Tokens each lane card shows right now."""
+def shown_tokens(page, root: str = "#lanes") -> dict[str, int]:
+    """Tokens each lane card shows right now, read in one snapshot inside the page (the cards re-render at every
+    step, so element handles taken one by one may be detached under load)."""
+    cards = page.evaluate("root => [...document.querySelectorAll(root + ' .qe-lane')].map("
+                          "c => [c.dataset.lane, c.querySelector('.qe-stats')?.innerText || ''])", root)
     out = {}
-    cards = page.locator("#lanes .qe-lane")
-    for i in range(cards.count()):
-        card = cards.nth(i)
-        match = re.match(r"(\d+) tokens", card.locator(".qe-stats").inner_text())
-        out[card.get_attribute("data-lane")] = int(match.group(1)) if match else 0
+    for lane, stats in cards:
+        match = re.match(r"(\d+) tokens", stats)
+        out[lane] = int(match.group(1)) if match else 0
     return out
 
 
@@ -59,14 +60,10 @@ def test_a_crash_leaves_the_run_interrupted_with_what_was_shown(tmp_path):
                                      timeout=60_000)
             last = max(e["step"] for e in events)
             assert f"step {last} of {last}" in replay.locator("#replay-status").inner_text()
-            time.sleep(0.5)
-            assert shown_tokens_in(replay, "#replay-lanes") == stored
+            deadline = time.time() + 60  # the cards render after the status line: wait for them, not a fixed time
+            while shown_tokens(replay, "#replay-lanes") != stored and time.time() < deadline:
+                time.sleep(0.2)
+            assert shown_tokens(replay, "#replay-lanes") == stored
             assert outside == []
     finally:
         server.kill()
-
-
-def shown_tokens_in(page, root: str) -> dict[str, int]:
-    cards = page.locator(f"{root} .qe-lane")
-    return {cards.nth(i).get_attribute("data-lane"): int(cards.nth(i).locator(".qe-stats").inner_text().split()[0])
-            for i in range(cards.count())}

@@ -45,7 +45,7 @@ def test_the_readme_gradio_client_snippet_runs_as_printed(smollm2_studio, capsys
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_every_example_builds_every_default_lane(smollm2, name):
     from storage import SessionStore, make_engine
-    from ui.handlers import Studio
+    from ui.studio import Studio
 
     studio = Studio(*smollm2, SessionStore(make_engine("sqlite://")))
     prompt, expected = EXAMPLES[name]()

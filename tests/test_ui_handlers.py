@@ -13,8 +13,8 @@ from ui import cards, plots, sessions
 from ui.control import TabRuns
 from ui.examples import EXAMPLES
 from ui.form import NO_LANE, parse_request
-from ui.handlers import Studio, diagnose_session, progress_text
-from ui.layout import picker_index
+from ui.studio import Studio, diagnose_session, progress_text
+from ui.handlers import picker_index
 from ui.view import RunView
 
 SETTINGS = dict(budget=0.3, omega=8, q_frac=0.7, bits=2, sinks=5, recent=32, scorer="cumulative", promotion=True)
@@ -43,7 +43,13 @@ def request(prompt=LONG_PROMPT, methods=("fullkv", "snapkv", "qevict"), max_new=
     ("hi", ("qevict",), {"budget": float("nan")}, r"KV budget: Input should be a finite number \(got nan\)"),
     ("hi", ("qevict",), {"budget": float("inf")}, "KV budget: Input should be a finite number"),
     ("hi", ("qevict",), {"budget": 1.5}, "KV budget: .*less than or equal to 1"),
-    ("hi", ("qevict",), {"omega": 8.5}, "Ω .*fractional part"),
+    ("hi", ("qevict",), {"omega": 8.5}, r"Ω .*whole number \(got 8.5\)"),
+    ("hi", ("qevict",), {"seed": "16"}, r"seed: Input should be a valid integer \(got '16'\)"),
+    ("hi", ("qevict",), {"promotion": "yes"}, "promotion: Input should be a valid boolean"),
+    ("hi", ("qevict",), {"bits": "2"}, "bits: Input should be a valid integer"),
+    (12345, ("qevict",), {}, "Prompt: Input should be a valid string"),
+    (["hi"], ("qevict",), {}, "Prompt: Input should be a valid string"),
+    ("hi", ({"method": "qevict"},), {}, "Lanes: Input should be a valid string"),
     ("hi", ("qevict",), {"omega": "eight"}, "Ω .*valid integer"),
     ("hi", ("qevict",), {"temperature": float("nan")}, "temperature: Input should be a finite number"),
     ("x" * 200_001, ("qevict",), {}, "Prompt: .*at most 200000 characters"),
@@ -268,8 +274,10 @@ def test_lane_cards_point_at_the_result():
             view.apply({"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
                         "seconds": 0.1})
     html = cards.lanes_html(view)
-    assert "✓ contains the expected answer “42”" in html
-    assert "✗ does not contain the expected answer “42”" in html
+    assert '<span class="qe-verdict qe-answer qe-good">✓ found the answer “42”</span>' in html
+    assert '<span class="qe-verdict qe-answer qe-bad">✗ missed the answer “42”</span>' in html
+    # agreement with FullKV is a pill of its own, amber, never the answer's red
+    assert '<span class="qe-verdict qe-agree qe-differs">same as FullKV for the first 1 tokens' in html
     assert "same as FullKV for the first 1 tokens, then differs (67% of positions agree)" in html
     assert '<span class="qe-diverged" title="differs from FullKV">1.</span>' in html
 
@@ -428,3 +436,37 @@ def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(stud
     heat = plots.score_heatmap(view, "r")
     assert len(heat.data[0].z[0]) <= plots.MAX_WINDOWS_DRAWN and "largest of" in heat.layout.xaxis.title.text
     assert len(fig.to_json()) < 3 * 2**20
+
+
+def test_the_lane_picker_chooses_whose_routing_is_drawn(studio):
+    from ui.handlers import Handlers, routing_outputs
+
+    events = Handlers(studio)
+    menu = events.shown_lane_menu("fullkv", "qevict", "qevict_head")
+    assert menu["choices"] == ["qevict", "qevict_head"] and menu["value"] == "qevict"
+    assert events.shown_lane_menu("qevict", "(none)", "qevict")["choices"] == ["qevict", "qevict#2"]
+    assert events.shown_lane_menu("fullkv", "snapkv", "(none)")["choices"] == []
+    final = list(studio.run(request(methods=("fullkv", "qevict", "qevict_head"), max_new=16)))[-1]
+    for lane in ("qevict", "qevict_head"):
+        tier, heat, moves, prompt = routing_outputs(final.view, 0, 1, lane)
+        assert tier.layout.title.text.startswith(f"{lane}: layer 0") and heat.layout.title.text.startswith(lane)
+    # the picked head reaches the per-head lane only; an unknown lane falls back to the first QEvict lane
+    assert "KV head 1" in routing_outputs(final.view, 0, 1, "qevict_head")[0].layout.title.text
+    assert routing_outputs(final.view, 0, 1, "nope")[0].layout.title.text.startswith("qevict: layer 0")
+    # the replay handler offers the run's routed lanes and draws the one asked for
+    out = events.show_replay(final.session_id, None, 0, 1, "qevict_head", None)
+    assert out[2]["choices"] == ["qevict", "qevict_head"] and out[2]["value"] == "qevict_head"
+    assert out[6].layout.title.text.startswith("qevict_head: layer 0, KV head 1")
+
+
+def test_the_time_left_follows_the_latest_steps_not_the_first():
+    from ui.studio import Update
+
+    view = RunView({"lanes": [{"name": "qevict", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+                    "sampling": {"max_new_tokens": 200}, "prompt_length": 10})
+    # the prompt, a slow first decode step (warm-up), then steady 0.5 s steps
+    for step, seconds in enumerate([30.0, 20.0] + [0.5] * 20):
+        view.apply({"kind": "token", "lane": "qevict", "step": step, "token_id": 1, "text": "a", "seconds": seconds})
+    text = progress_text(Update(view, "s", "t", False, "running"), None)
+    # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
+    assert text == "**Generating…** token 22 of at most 200, about 89 s left at most.", text

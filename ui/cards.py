@@ -18,27 +18,28 @@ def _esc(text: str) -> str:
     return html.escape(text, quote=True)
 
 
-def verdict(view: RunView, lane: LaneView) -> tuple[str, str]:
-    """(css class, words) comparing ``lane`` with the FullKV lane and with the expected answer."""
-    parts, good = [], True
+def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
+    """(css classes, words) of a lane's pills: whether it found the expected answer (green or red, only where the
+    prompt has one), and, apart, how far it agrees with FullKV (grey when the same, amber when it differs: a lane
+    can find the answer in other words)."""
+    pills = []
     expected = view.expected
     if expected and lane.tokens:
         found = expected.lower() in lane.text.lower()
-        good &= found
-        parts.append(f"{'✓ contains' if found else '✗ does not contain'} the expected answer “{expected}”")
+        pills.append(("qe-answer qe-good" if found else "qe-answer qe-bad",
+                      f"✓ found the answer “{expected}”" if found else f"✗ missed the answer “{expected}”"))
     agreement = view.agreement().get(lane.name)
     if lane.method == "fullkv":
-        parts.append("the reference: nothing compressed")
+        pills.append(("qe-agree qe-same", "the reference: nothing compressed"))
     elif agreement is not None:
         share, prefix = agreement
         reference = view.reference()
         if prefix == len(lane.tokens) == len(reference.tokens):
-            parts.append("✓ same tokens as FullKV")
+            pills.append(("qe-agree qe-same", "✓ same tokens as FullKV"))
         else:
-            good = False
-            parts.append(f"same as FullKV for the first {prefix} tokens, then differs "
-                         f"({share:.0%} of positions agree)")
-    return ("qe-good" if good else "qe-bad"), " · ".join(parts)
+            pills.append(("qe-agree qe-differs", f"same as FullKV for the first {prefix} tokens, then differs "
+                                                 f"({share:.0%} of positions agree)"))
+    return pills
 
 
 def lanes_html(view: RunView) -> str:
@@ -47,7 +48,7 @@ def lanes_html(view: RunView) -> str:
     cards = []
     agreement = view.agreement()
     for lane in view.lanes.values():
-        css, words = verdict(view, lane)
+        pills = "".join(f' <span class="qe-verdict {css}">{_esc(words)}</span>' for css, words in verdict(view, lane))
         stats = [f"{len(lane.tokens)} tokens"]
         if lane.fullkv_bytes:
             stats.append(f"KV {lane.total_bytes / MiB:.2f} MiB = {lane.ratio:.1%} of FullKV")
@@ -64,8 +65,7 @@ def lanes_html(view: RunView) -> str:
         same, rest = (same, lane.text[len(same):]) if lane.text.startswith(same) else (lane.text, "")
         note = f'<div class="qe-note">{_esc(lane.note)}</div>' if lane.note else ""
         cards.append(
-            f'<div class="qe-lane" data-lane="{_esc(lane.name)}"><div><b>{_esc(lane.name)}</b> '
-            f'<span class="qe-verdict {css}">{_esc(words)}</span></div>{note}'
+            f'<div class="qe-lane" data-lane="{_esc(lane.name)}"><div><b>{_esc(lane.name)}</b>{pills}</div>{note}'
             f'<div class="qe-stats">{" · ".join(stats)}</div>'
             f'<div class="qe-text">{_esc(same)}<span class="qe-diverged" title="differs from FullKV">'
             f'{_esc(rest)}</span></div></div>')

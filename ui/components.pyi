@@ -6,8 +6,7 @@ import gradio as gr
 from gradio.events import Dependency
 
 class FormSlider(gr.Slider):
-    """A slider whose value reaches ``ui.form`` unchecked: Gradio would refuse an out-of-range API value with an
-    exception before the form could answer with a well-formed result that says what is allowed."""
+    """A slider whose value reaches ``ui.form`` unchecked."""
 
     is_template = True  # drawn by Gradio's own slider
 
@@ -18,3 +17,73 @@ class FormSlider(gr.Slider):
     if TYPE_CHECKING:
         from gradio.components import Timer
         from gradio.components.base import Component
+class FormDropdown(gr.Dropdown):
+    """A dropdown whose value reaches ``ui.form`` unchecked (an unknown lane is the form's to refuse)."""
+
+    is_template = True
+
+    def preprocess(self, payload):
+        return payload
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+    
+class FormRadio(gr.Radio):
+    """A radio group whose value reaches ``ui.form`` unchecked."""
+
+    is_template = True
+
+    def preprocess(self, payload):
+        return payload
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+    
+class FormTextbox(gr.Textbox):
+    """A textbox whose value reaches ``ui.form`` unconverted (a list is refused there, not made a string)."""
+
+    is_template = True
+
+    def preprocess(self, payload):
+        return payload
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+    
+class FormNumber(gr.Number):
+    """A number box whose value reaches ``ui.form`` unconverted."""
+
+    is_template = True
+
+    def preprocess(self, payload):
+        return payload
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+    
+class FormCheckbox(gr.Checkbox):
+    """A checkbox whose value reaches ``ui.form`` unconverted ("yes" is not True)."""
+
+    is_template = True
+
+    def preprocess(self, payload):
+        return payload
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+    

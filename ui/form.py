@@ -7,10 +7,11 @@ control, the allowed range and the value that was sent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from qevict_core import QEvictConfig, Sampling
 from qevict_core.config import BITS, SCORERS
@@ -32,24 +33,38 @@ def _number(low: float, high: float) -> Any:
     return Field(ge=low, le=high, allow_inf_nan=False)
 
 
+def _whole(value: Any) -> Any:
+    """Sliders send 8.0 for 8: an integral float is that int; anything else is left for the strict check to refuse
+    (a string, a bool, 8.5)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value):
+        raise ValueError(f"must be a whole number")
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]
+
+
 class RunForm(BaseModel):
     """The Generate controls. Ranges are the controls' own; ints accept integral floats (sliders send 8.0)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "16", "yes" or ["a"] are refused, not converted (the API takes JSON, where types are the caller's)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
     lanes: Annotated[list[str | None], Field(min_length=1, max_length=3)]
     budget: Annotated[float, _number(0.01, 1.0)]
-    omega: Annotated[int, Field(ge=1, le=64)]
+    omega: Annotated[Whole, Field(ge=1, le=64)]
     q_frac: Annotated[float, _number(0.0, 1.0)]
     coverage: Annotated[float, _number(0.0, 1.0)] = QEvictConfig().coverage or 0.0  # 0: Eq. 3's split by q
-    bits: int
-    sinks: Annotated[int, Field(ge=0, le=64)]
-    recent: Annotated[int, Field(ge=0, le=1024)]
+    bits: Whole
+    sinks: Annotated[Whole, Field(ge=0, le=64)]
+    recent: Annotated[Whole, Field(ge=0, le=1024)]
     scorer: str
     promotion: bool
-    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    max_new_tokens: Annotated[Whole, Field(ge=1, le=MAX_NEW_TOKENS)]
     temperature: Annotated[float, _number(0.0, 2.0)] = 0.0
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    seed: Annotated[Whole, Field(ge=0, le=2**31 - 1)] = 0
     expected: Annotated[str, Field(max_length=200)] = ""
 
     @field_validator("prompt")

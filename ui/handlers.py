@@ -1,297 +1,237 @@
-"""What the studio does, without Gradio: prepare a validated request, run it through the engine while persisting
-the event stream step by step, and rebuild views of stored sessions. ``ui/layout.py`` only wires these to
-components; ``ui/form.py`` is the door every request passes first."""
+"""What the studio's controls do: one plain method per event, over a ``Studio`` and the tabs' state. Nothing here
+builds Blocks, so every handler runs in a test as it runs behind a button (``blocks`` wires them)."""
 
 from __future__ import annotations
 
-import logging
-import math
-import threading
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+import json
+import os
+import tempfile
 
-import torch
+import gradio as gr
 
-from qevict_core import BudgetTooSmall, KVShape, Lane, generate_lanes, make_cache
-from qevict_core.config import BITS, SCORERS
-from qevict_core.registry import METHODS
-from storage import SessionStore
-from storage.schema import parse_stored
+from qevict_core.registry import METHODS, RETIRED, resolve
+from storage.schema import max_import_bytes
 
-from .form import RunRequest
+from . import cards, plots, sessions
+from .control import TabRuns
+from .examples import EXAMPLES
+from .form import NO_LANE, parse_request
+from .studio import Studio, diagnose_session, lane_names, progress_text
 from .view import RunView
 
-log = logging.getLogger(__name__)
+NO_RUN = plots.empty_figure("No run yet.")
+CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
 
-def lane_names(methods: tuple[str, ...]) -> list[str]:
-    """Unique lane names: the method, with #2, #3 for repeats."""
-    names = []
-    for method in methods:
-        name, n = method, 2
-        while name in names:
-            name, n = f"{method}#{n}", n + 1
-        names.append(name)
-    return names
+def lane_choices(ablations: bool) -> list[tuple[str, str]]:
+    """A lane menu: the product's methods in the registry's order, then, when asked, the ablations, marked."""
+    return ([(NO_LANE, NO_LANE)] + [(name, name) for name, spec in METHODS.items() if spec.kind == "method"]
+            + [(f"ablation · {name}", name) for name, spec in METHODS.items() if ablations and spec.kind == "ablation"])
 
 
-@dataclass
-class Update:
-    view: RunView
-    session_id: str
-    delete_token: str
-    routing_changed: bool
-    status: str  # running, done, stopped, error
-    message: str = ""
+def routes(method) -> bool:
+    """Whether a lane of ``method`` has routing to draw (the QEvict family); a retired name counts as what it became."""
+    if not isinstance(method, str) or (method not in METHODS and method not in RETIRED):
+        return False
+    return METHODS[resolve(method)[0]].family == "qevict"
 
 
-@dataclass
-class Studio:
-    """One model, one tokenizer, one store. Runs are sequential (the Gradio queue has one slot)."""
-
-    model: object
-    tokenizer: object
-    store: SessionStore
-    model_name: str = "SmolLM2-135M-Instruct"
-    choices: dict = field(default_factory=lambda: {"methods": sorted(METHODS), "bits": BITS, "scorers": SCORERS})
-    prefill_rate: float | None = None  # prompt tokens x lanes per second, measured on the last run
-    _loaded: dict = field(default_factory=dict, repr=False)  # id -> ((updated_at, status), meta, events)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        cfg = self.model.config
-        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-
-    def encode(self, prompt: str) -> tuple[torch.Tensor, list[int]]:
-        """-> (input ids (1, T), [start, stop) of the user's own text among them, chat-template markup excluded)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-            return ids, [0, ids.shape[1]]
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids, self._span(text, prompt, ids.shape[1])
-
-    def _span(self, text: str, prompt: str, length: int) -> list[int]:
-        begin = text.rfind(prompt)
-        if begin < 0 or not getattr(self.tokenizer, "is_fast", False):
-            return [0, length]
-        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        inside = [i for i, (a, b) in enumerate(offsets) if a < begin + len(prompt) and b > begin]
-        return [inside[0], inside[-1] + 1] if inside else [0, length]
-
-    def prepare(self, req: RunRequest) -> tuple[torch.Tensor, list[Lane], dict]:
-        """Everything that can fail on bad input happens here, before anything is stored. A lane whose method
-        cannot run at the asked budget on this sequence runs at the least it can, and its note says why."""
-        input_ids, span = self.encode(req.prompt)
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        total = input_ids.shape[1] + req.sampling.max_new_tokens
-        if context and total > context:
-            raise ValueError(f"The prompt is {input_ids.shape[1]} tokens; with {req.sampling.max_new_tokens} new "
-                             f"tokens that is {total}, beyond the model's context of {context}. Shorten it.")
-        fullkv = KVShape.from_model(self.model).fullkv_bytes(total)
-        lanes, specs = [], []
-        for name, method in zip(lane_names(req.methods), req.methods):
-            spec = {"name": name, "method": method}
-            try:
-                cache = make_cache(method, self.model, req.config, max_length=total)
-            except BudgetTooSmall as err:
-                cache = make_cache(method, self.model, req.config.replace(budget_bytes=err.needed_bytes),
-                                   max_length=total)
-                spec["budget_bytes"] = err.needed_bytes
-                spec["note"] = (f"Runs at {err.needed_bytes / fullkv:.1%} of FullKV's bytes, not "
-                                f"{req.config.budget:.1%}: "
-                                f"this run holds only {total} tokens, and {err.reason}. That is the least this "
-                                f"method can run with here; the other lanes use the budget you chose.")
-            if cache.summary().get("uncompressed"):
-                spec["note"] = ("The budget holds this whole run uncompressed, so this lane is FullKV: nothing is "
-                                "routed, quantized or evicted.")
-            spec["config"] = cache.config.to_dict()  # what this lane runs with: its method's fields, its capacities
-            lanes.append(Lane(name, cache))
-            specs.append(spec)
-        request = {
-            "model": self.model_name,
-            "lanes": specs,
-            "config": req.config.to_dict(),
-            "sampling": {"max_new_tokens": req.sampling.max_new_tokens, "temperature": req.sampling.temperature,
-                         "seed": req.sampling.seed},
-            "prompt_length": input_ids.shape[1],
-            "prompt_tokens": self.tokenizer.batch_decode([[t] for t in input_ids[0].tolist()]),
-            "prompt_span": span,
-            "expected": req.expected,
-        }
-        return input_ids, lanes, request
-
-    def run(self, req: RunRequest, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Update]:
-        """Stream the run. Each lane's step is written before it is shown, so a crash loses at most the step in
-        flight; a stopped, failed or abandoned run (the generator closed) keeps what was written."""
-        input_ids, lanes, request = self.prepare(req)
-        session_id, token = self.store.create(req.prompt, request)
-        view, pending, status, message = RunView(request), [], "running", ""
-        try:
-            yield Update(view, session_id, token, True, status)
-            routing_changed = False
-            for event in generate_lanes(self.model, self.tokenizer, input_ids, lanes, req.sampling, should_stop):
-                data = event.to_dict()
-                routing_changed |= view.apply(data)
-                pending.append(data)
-                if data["kind"] == "memory":
-                    self.store.append(session_id, pending)
-                    pending = []
-                    if all(lane.done or len(lane.tokens) > data["step"] for lane in lanes):
-                        if data["step"] == 0:
-                            self._measure_prefill(input_ids.shape[1] * len(lanes), lanes[0].prefill_seconds)
-                        yield Update(view, session_id, token, routing_changed, status)
-                        routing_changed = False
-            errors = [lane.done for lane in view.lanes.values() if (lane.done or "").startswith("error")]
-            status = "error" if errors else "stopped" if should_stop() else "done"
-            message = "; ".join(errors)
-        except Exception as err:  # keep what was generated; say what went wrong
-            log.exception("run %s failed", session_id)
-            status, message = "error", str(err)
-        finally:
-            try:
-                self.store.append(session_id, pending)
-            finally:
-                self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
-        yield Update(view, session_id, token, True, status, message)
-
-    def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        # A short prompt's time is mostly fixed overhead: scaled up, it would predict minutes for seconds of work.
-        if seconds > 0 and tokens >= 1024:
-            self.prefill_rate = tokens / seconds
-
-    def prefill_estimate(self, tokens: int, lanes: int) -> float | None:
-        return tokens * lanes / self.prefill_rate if self.prefill_rate else None
-
-    def load(self, session_id: str) -> tuple[dict, list[dict]]:
-        """A stored session, checked against the schema -> (meta, events); LookupError when missing, ValueError
-        when malformed, so one bad row is a message on its own page and nothing else. The replay slider reloads
-        at every step: sessions are kept validated until they change."""
-        try:
-            meta = self.store.get(session_id or "")
-        except ValueError as err:  # its JSON could not even be decoded
-            raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
-        if meta is None:
-            raise LookupError(f"No such session: `{(session_id or '')[:64]}`")
-        version = (meta["updated_at"], meta["status"])
-        with self._lock:
-            cached = self._loaded.get(session_id)
-        if cached is not None and cached[0] == version:
-            return cached[1], cached[2]
-        try:
-            events = self.store.events(session_id)
-            request, parsed = parse_stored(meta["prompt"], meta["request"], events)
-        except ValueError as err:
-            raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
-        meta = {**meta, "request": request.model_dump(mode="json")}
-        events = [event.model_dump(mode="json") for event in parsed]
-        with self._lock:
-            self._loaded[session_id] = (version, meta, events)
-            while len(self._loaded) > 8:
-                self._loaded.pop(next(iter(self._loaded)))
-        return meta, events
-
-    def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:
-        """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""
-        meta, events = self.load(session_id)
-        view = RunView(meta["request"])
-        last = max((e["step"] for e in events), default=0)
-        for event in events:
-            if step is None or event["step"] <= step:
-                view.apply(event)
-        return view, last, meta
+def pick_lane(view: RunView | None, wanted: str | None) -> str | None:
+    """The lane whose routing the views show: ``wanted`` when it has routed, else the first QEvict-family lane."""
+    routed = view.routed_lanes() if view is not None else []
+    if wanted in routed:
+        return wanted
+    return next((n for n in routed if routes(view.lanes[n].method)), routed[0] if routed else None)
 
 
-def progress_text(update: Update, studio: Studio) -> str:
-    """Where the run stands, in words, with a time estimate."""
-    view = update.view
-    if update.status != "running":
-        return {"done": "**Done.**", "stopped": "**Stopped** — what was generated is kept.",
-                "error": f"**Error:** {update.message}"}[update.status]
-    steps = max((len(lane.tokens) for lane in view.lanes.values()), default=0)
-    if steps == 0:
-        tokens = int(view.request["prompt_length"])
-        guess = studio.prefill_estimate(tokens, len(view.lanes))
-        eta = f" — about {_duration(guess)}" if guess else " — the first run on a CPU can take a minute"
-        return f"**Reading the prompt** ({tokens:,} tokens, {len(view.lanes)} lane(s)){eta}…"
-    per_step = [lane.decode_seconds / (len(lane.tokens) - 1) for lane in view.lanes.values() if len(lane.tokens) > 1]
-    left = view.max_new_tokens - steps
-    eta = f", about {_duration(left * max(per_step))} left at most" if per_step and left > 0 else ""
-    return f"**Generating…** token {steps} of at most {view.max_new_tokens}{eta}."
+def routing_outputs(view: RunView | None, layer: int, head: int = 0, lane: str | None = None) -> tuple:
+    """(tier map, score heatmap, moves in words, prompt by tier) of one lane; ``head`` matters for lanes routed per
+    KV head."""
+    if view is None:
+        return CLEARED[3], CLEARED[4], "", ""
+    lane = pick_lane(view, lane)
+    return (plots.tier_map(view, lane, layer, head), plots.score_heatmap(view, lane, head),
+            cards.moves_html(view, lane, layer, head), cards.prompt_html(view, lane, layer, head))
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(1, math.ceil(seconds))} s"
-    return f"{seconds / 60:.0f} min"
-
-
-DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "fmm_fp_only"), ("churn", "churn"),
-                      ("QSA", "qsa"), ("R_Q", "r_q")]
-
-
-def diagnose_session(studio: Studio, session_id: str) -> str:
-    """The paper's diagnostics for every routed lane of a stored run, against FullKV attention over that lane's
-    own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU)."""
-    from qevict_core import diagnostics as dg
-
+def picker_index(value, count: int, name: str) -> int:
+    """A layer or head picker's value as an index; ValueError naming the range (API callers can send anything)."""
     try:
-        view, _, meta = studio.replay(session_id)
-    except (LookupError, ValueError) as err:
-        return f"**{err}**"
-    lanes = view.routed_lanes()
-    if not lanes:
-        return "This run has no routed lane (QEvict or its ablations): nothing to diagnose."
-    prompt, _ = studio.encode(meta["prompt"])
-    sampling = meta["request"]["sampling"]
-    max_length = prompt.shape[1] + sampling["max_new_tokens"]
-    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
-    header = "| lane | " + " | ".join(columns) + " |"
-    rows = [header, "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
-    problems = []
-    vocab = int(getattr(studio.model.config, "vocab_size", 0) or 0)
-    for name in lanes:
-        lane = view.lanes[name]
-        if len(lane.tokens) < 2:
-            problems.append(f"- `{name}`: fewer than two generated tokens, nothing to diagnose.")
-            continue
-        if prompt.shape[1] != int(meta["request"]["prompt_length"]):
-            problems.append(f"- `{name}`: this model reads the stored prompt as {prompt.shape[1]} tokens, the run "
-                            f"had {meta['request']['prompt_length']}: it was made with another model or tokenizer.")
-            continue
-        if vocab and max(lane.tokens) >= vocab:
-            problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
-                            f"({vocab} ids): the run was made with another model.")
-            continue
-        sequence = torch.cat([prompt, torch.tensor([lane.tokens[:-1]])], dim=1)
-        omega, sinks = view.omega(name), view.sinks(name)
+        index = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name}: must be a whole number from 0 to {count - 1} (got {value!r})") from None
+    if index != value or not 0 <= index < count:
+        raise ValueError(f"{name}: must be a whole number from 0 to {count - 1} (got {value!r})")
+    return index
+
+
+def share_markdown(session_id: str, token: str, request: gr.Request | None) -> str:
+    host = os.environ.get("SPACE_HOST")
+    base = f"https://{host}" if host else (f"http://{request.headers.get('host')}" if request is not None else "")
+    link = f"{base}/?session={session_id}"
+    return (f"**Share this run:** [{link}]({link}) — anyone with the link can open it. It is listed under "
+            f"*Sessions* in this browser only, which can delete it; elsewhere, delete it with the token `{token}`.")
+
+
+def _key(request: gr.Request | None) -> str:
+    return request.session_hash if request is not None else "api"
+
+
+class Handlers:
+    """The handlers of one studio. Each returns the values of the outputs ``blocks`` wires it to."""
+
+    def __init__(self, studio: Studio):
+        self.studio, self.tabs = studio, TabRuns()
+        self.layers, self.heads = studio.num_layers, studio.num_kv_heads
+
+    def _pickers(self, layer, head) -> tuple[int, int]:
+        return picker_index(layer, self.layers, "layer"), picker_index(head, self.heads, "head")
+
+    # -- run ------------------------------------------------------------------------------------------------------
+    def pick_example(self, name):
+        if not name:
+            return gr.skip(), gr.skip()
+        return EXAMPLES[name]()
+
+    def show_ablations(self, ablations: bool, *values: str):
+        """The three lane menus with or without the ablations; a lane set to an ablation keeps it."""
+        return tuple(gr.update(choices=lane_choices(ablations or METHODS.get(v) is not None
+                                                    and METHODS[v].kind == "ablation")) for v in values)
+
+    def shown_lane_menu(self, *methods: str):
+        """The routing picker of the Run tab: the lanes of the chosen methods that route, the first selected."""
+        names = [n for n, m in zip(lane_names(tuple(m for m in methods if m and m != NO_LANE)),
+                                   [m for m in methods if m and m != NO_LANE]) if routes(m)]
+        return gr.update(choices=names, value=names[0] if names else None)
+
+    def arm(self, request: gr.Request):
+        self.tabs.arm(request.session_hash)
+        return ("**Waiting for a free slot…** One run at a time; your place in the queue shows here.",
+                *CLEARED, "")
+
+    def generate(self, prompt, lane1, lane2, lane3, budget, omega, q_frac, bits, sinks, recent, scorer, promotion,
+                 max_new_tokens, temperature, seed, layer, expected="", head=0, coverage=0.7, shown_lane=None,
+                 request: gr.Request = None):
+        """Run ``prompt`` through up to three caches; streams (status, lanes HTML, stats table, bytes plot, tier
+        map, score heatmap, routing moves, prompt by tier, share link). Lanes are method names from
+        `qevict_core.list_methods()` or "(none)". A refused request returns the reason in ``status``."""
+        key = _key(request)
+        flag = self.tabs.start(key)
+        if flag is None:
+            yield ("**Stopped** before it started: nothing was run.", *CLEARED, "", gr.skip())
+            return
         try:
-            traces = dg.reference_traces(studio.model, sequence.to(next(studio.model.parameters()).device),
-                                         prompt.shape[1])
-            result = dg.diagnose(traces, view.routing[name], prompt.shape[1], sinks, omega,
-                                 math.ceil((max_length - sinks) / omega), int(lane.summary.get("k_full", 1)))
-        except (ValueError, IndexError, KeyError, RuntimeError) as err:  # a stored run this model cannot redo
-            problems.append(f"- `{name}`: cannot be diagnosed ({type(err).__name__}: {str(err)[:200]}).")
-            continue
-        cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
-        cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]
-        rows.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
-    if len(rows) == 2:
-        return "**This run cannot be diagnosed here.**\n\n" + "\n".join(problems)
-    return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I of the "
-            "paper; see the glossary below): lower FMM is better; QSA near 1 means the low-bit scores rank like "
-            "full precision.\n\n" + "\n".join(rows) + ("\n\n" + "\n".join(problems) if problems else ""))
+            req = parse_request(prompt, [lane1, lane2, lane3], budget, omega, q_frac, bits, sinks, recent,
+                                scorer, promotion, max_new_tokens, temperature, seed, expected, coverage)
+            shown = self._pickers(layer, head)
+            for update in self.studio.run(req, flag.is_set):
+                self.tabs.live[key] = update.view
+                first = update.view.step < 0 and update.status == "running"
+                heavy = update.routing_changed or update.status != "running"
+                routing = routing_outputs(update.view, *shown, shown_lane) if heavy else (gr.skip(),) * 4
+                yield (progress_text(update, self.studio), cards.lanes_html(update.view),
+                       cards.stats_table(update.view), plots.bytes_plot(update.view) if heavy else gr.skip(),
+                       *routing, share_markdown(update.session_id, update.delete_token, request),
+                       {"id": update.session_id, "token": update.delete_token} if first else gr.skip())
+        except ValueError as err:
+            yield (f"**Cannot run:** {err}", *CLEARED, "", gr.skip())
+        finally:
+            self.tabs.finish(key)
 
+    def record(self, ref, owned):
+        """A new run's {id, token} joins this browser's list."""
+        return sessions.add(owned, ref["id"], ref["token"]) if ref else gr.skip()
 
-def summarize(view: RunView) -> dict:
-    agreement = view.agreement()
-    return {"lanes": {name: {"method": lane.method, "tokens": len(lane.tokens), "total_bytes": lane.total_bytes,
-                             "ratio": lane.ratio, "done": lane.done, "promotions": lane.promotions,
-                             "demotions": lane.demotions, "agreement": agreement.get(name, (None, None))[0]}
-                      for name, lane in view.lanes.items()}}
+    def request_stop(self, request: gr.Request):
+        phase = self.tabs.stop(request.session_hash)
+        if phase == "queued":
+            return "**Stopped:** your queued run will not start."
+        return "**Stopping** after the current step…" if phase == "running" else gr.skip()
+
+    def redraw_routing(self, layer, head, lane, request: gr.Request):
+        return routing_outputs(self.tabs.live.get(request.session_hash), *self._pickers(layer, head), lane)
+
+    def forget(self, request: gr.Request):
+        self.tabs.forget(request.session_hash)
+
+    # -- replay ---------------------------------------------------------------------------------------------------
+    def show_replay(self, session_id, step, layer, head, lane, request: gr.Request):
+        """(status, step slider, lane picker, lanes, stats, bytes, tier map, heatmap, moves, prompt by tier)."""
+        session_id = (session_id or "").strip()
+        if not session_id:
+            return ("Enter a session id, or open a share link.", gr.skip(), gr.skip(), *CLEARED)
+        try:
+            view, last, meta = self.studio.replay(session_id, None if step is None else int(step))
+            shown = self._pickers(layer, head)
+        except (LookupError, ValueError) as err:
+            return (f"**{err}**", gr.skip(), gr.skip(), *CLEARED)
+        self.tabs.replays[_key(request)] = (session_id, last)
+        at = last if step is None else min(int(step), last)
+        lane = pick_lane(view, lane)
+        note = f"Session `{session_id}` — {meta['status']}, step {at} of {last}"
+        return (note, gr.update(maximum=max(last, 1), value=at),
+                gr.update(choices=view.routed_lanes(), value=lane), cards.lanes_html(view),
+                cards.stats_table(view), plots.bytes_plot(view), *routing_outputs(view, *shown, lane))
+
+    def load_replay(self, session_id, layer, head, lane, request: gr.Request):
+        return self.show_replay(session_id, None, layer, head, lane, request)
+
+    def tick(self, session_id, step, layer, head, lane, request: gr.Request):
+        _, last = self.tabs.replays.get(_key(request), (None, 0))
+        nxt = min(int(step or 0) + 1, last)
+        return (*self.show_replay(session_id, nxt, layer, head, lane, request), gr.Timer(active=nxt < last))
+
+    def run_diagnostics(self, session_id):
+        try:
+            return diagnose_session(self.studio, (session_id or "").strip())
+        except Exception as err:  # the page says why, whatever a stored run holds
+            return f"**Diagnostics failed:** {type(err).__name__}: {str(err)[:300]}"
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+    def list_sessions(self, owned):
+        return sessions.rows(self.studio.store, owned)
+
+    def pick_row(self, evt: gr.SelectData):
+        return evt.row_value[0] if evt.row_value else gr.skip()
+
+    def open_session(self, session_id, layer, head, lane, request: gr.Request):
+        return (gr.Tabs(selected="replay"), session_id, *self.show_replay(session_id, None, layer, head, lane, request))
+
+    def export_session(self, session_id):
+        session_id = (session_id or "").strip()
+        if self.studio.store.get(session_id) is None:
+            return None, f"**No such session:** `{session_id[:64]}`"
+        path = os.path.join(tempfile.mkdtemp(prefix="qevict-"), f"qevict-session-{session_id}.json")
+        with open(path, "w") as handle:
+            json.dump(self.studio.store.export(session_id), handle)
+        return path, f"Exported `{session_id}`."
+
+    def import_session(self, file, owned):
+        if file is None:
+            return gr.skip(), gr.skip()
+        path = file if isinstance(file, str) else file.name
+        try:
+            if os.path.getsize(path) > max_import_bytes():
+                raise ValueError(f"the file is larger than the import limit of {max_import_bytes() / 2**20:.0f} MiB")
+            with open(path, "rb") as handle:
+                new_id, token = self.studio.store.import_session(handle.read())
+        except ValueError as err:
+            return f"**Import refused, nothing was stored:** {err}", gr.skip()
+        return (f"Imported as `{new_id}` — listed above; open it with **Open in Replay**.",
+                sessions.add(owned, new_id, token))
+
+    def delete_session(self, session_id, typed_token, owned):
+        session_id = (session_id or "").strip()
+        token = sessions.token_for(owned, session_id) or (typed_token or "")
+        if self.studio.store.delete(session_id, token):
+            return "Deleted.", sessions.remove(owned, session_id)
+        return "**Not deleted:** unknown session id or wrong delete token.", gr.skip()
+
+    def on_load(self, layer, head, lane, owned, request: gr.Request):
+        """A share link (``?session=``) opens its run in Replay; the Sessions table lists this browser's runs."""
+        listed = sessions.rows(self.studio.store, owned)
+        session_id = request.query_params.get("session") if request is not None else None
+        if not session_id:
+            return (gr.skip(), gr.skip(), *([gr.skip()] * 10), listed)
+        return (gr.Tabs(selected="replay"), session_id,
+                *self.show_replay(session_id, None, layer, head, lane, request), listed)

@@ -33,9 +33,11 @@ MAX_WINDOWS_DRAWN = 1_000
 TOP_LEGEND = {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "font": {"size": 11}}
 
 
-def _layout(fig: go.Figure, title: str, height: int = 380) -> go.Figure:
-    fig.update_layout(template="none", height=height, margin={"l": 50, "r": 10, "t": 70, "b": 45},
-                      title={"text": title, "font": {"size": 13}, "y": 0.98, "yanchor": "top"}, legend=TOP_LEGEND)
+def _layout(fig: go.Figure, title: str, height: int = 380, bottom: int = 45) -> go.Figure:
+    # The toolbar stands upright at the right edge, so it never covers the title on a narrow screen.
+    fig.update_layout(template="none", height=height, margin={"l": 50, "r": 30, "t": 70, "b": bottom},
+                      title={"text": title, "font": {"size": 13}, "y": 0.98, "yanchor": "top"}, legend=TOP_LEGEND,
+                      modebar={"orientation": "v"})
     return fig
 
 
@@ -118,11 +120,12 @@ def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
         z.append([None if v is None else round(v, 3) for v in line])
     x = [c * width for c in range(len(z[0]))]
     fig = go.Figure(go.Heatmap(z=z, x=x, y=rows, colorscale="Viridis",
-                               colorbar={"title": {"text": "score", "side": "top"}, "orientation": "h",
-                                         "thickness": 8, "len": 0.6, "y": 1.02, "yanchor": "bottom"},
+                               # below the axis: above it, the colour bar covered the title
+                               colorbar={"title": {"text": "score", "side": "right"}, "orientation": "h",
+                                         "thickness": 8, "len": 0.6, "y": -0.32, "yanchor": "top"},
                                hovertemplate="layer %{y}, window %{x}: %{z}<extra></extra>"))
     fig = _layout(fig, f"{lane}{f', KV head {head}' if per_head else ''}: cumulative attention per window "
-                       "(blank = evicted)")
+                       "(blank = evicted)", height=420, bottom=110)
     fig.update_layout(xaxis={"title": "window" if width == 1 else f"window (each column the largest of {width})"},
                       yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
     return fig

@@ -29,6 +29,7 @@ class LaneView:
     history: list[tuple[int, dict[str, int], int]] = field(default_factory=list)  # (step, components, FullKV bytes)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # of the shared forwards
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's shared forward, in order
     alone_seconds: float | None = None  # the lane's own estimate (None when its decode steps were not timed)
     promotions: int = 0
     demotions: int = 0
@@ -96,6 +97,7 @@ class RunView:
                 lane.prefill_seconds = event["seconds"]
             else:
                 lane.decode_seconds += event["seconds"]
+                lane.step_seconds.append(event["seconds"])
                 alone = event.get("alone_seconds")
                 if alone is not None:
                     lane.alone_seconds = (lane.alone_seconds or 0.0) + alone

@@ -1,13 +1,14 @@
-"""Eviction baselines, one file each, all on :class:`~qevict_core.policies.base.Policy`."""
+"""Eviction baselines, one file each, all on :class:`~qevict_core.policies.base.Policy`; the registry
+(``qevict_core/registry.py``) names each. ``from qevict_core.policies import SnapKV`` finds a policy in its own
+module, so a new policy needs no line here."""
 
-from .adakv import AdaKV
-from .base import Policy, ScoreInputs
-from .criticalkv import CriticalKV
-from .defensivekv import DefensiveKV
-from .h2o import H2O
-from .layer_defensivekv import LayerDefensiveKV
-from .snapkv import SnapKV
-from .streamingllm import StreamingLLM
+import importlib
+import pkgutil
 
-__all__ = ["AdaKV", "CriticalKV", "DefensiveKV", "H2O", "LayerDefensiveKV", "Policy", "ScoreInputs", "SnapKV",
-           "StreamingLLM"]
+
+def __getattr__(name: str):
+    for module in pkgutil.iter_modules(__path__):
+        found = getattr(importlib.import_module(f"{__name__}.{module.name}"), name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

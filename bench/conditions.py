@@ -1,6 +1,6 @@
 """Attention-drift diagnostics for the paper's R0-R4 conditions (Appendix I.1).
 
-    python -m bench.diagnostics --prefill 512 --generate 256 --budget 0.2 --articles 2 --out bench/results/diagnostics
+    python -m bench.conditions --prefill 512 --generate 256 --budget 0.2 --articles 2 --out bench/results/diagnostics
 
 R0 is FullKV: it generates the tokens and, run again with eager attention, gives the reference traces. R1 (token
 eviction, Ω=1), R2 (two-tier windows, Ω=8), R3 (three-tier, Ω=8) and R4 (three-tier, Ω=32) are replayed
@@ -114,7 +114,7 @@ def render(result: dict, out: Path) -> Path:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.diagnostics", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.conditions", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--generate", type=int, default=256)

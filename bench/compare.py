@@ -1,0 +1,91 @@
+"""Paired comparisons for the rendered tables: each method against FullKV and against the best baseline at the same
+budget, over the samples (RULER: task and sample; fidelity: passage) both ran, with a 95% bootstrap interval
+(bench.stats). A difference is called better or worse only where its interval excludes zero."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean
+
+from qevict_core.registry import METHODS
+
+from .stats import Paired, paired, shared
+
+# The paper's baselines that take a budget: the "best baseline" of a budget is the one of these with the best mean.
+BUDGETED_BASELINES = tuple(name for name, spec in METHODS.items() if spec.family == "eviction" and spec.kind == "method")
+
+
+def _by_sample(rows: list[dict], key, value) -> dict:
+    out = defaultdict(dict)
+    for r in rows:
+        if value(r) is not None:
+            out[(r["method"], r["budget"]) + key(r)[:-1]][key(r)[-1]] = value(r)
+    return out
+
+
+def _cell(result: Paired | None, scale: float, digits: int, better: str) -> str:
+    if result is None:
+        return "—"
+    return f"{result.text(scale, digits)} ({result.pairs}; {result.verdict(better)})"
+
+
+def ruler_paired(rows: list[dict]) -> str:
+    """Per length: every method at every budget minus FullKV and minus the best budgeted baseline at that budget,
+    string_match_all × 100 paired over (task, sample)."""
+    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    lengths = sorted({r["length"] for r in rows})
+    lanes = sorted({(r["method"], r["budget"]) for r in rows if r["method"] != "fullkv"},
+                   key=lambda m: (m[1] or 2, m[0]))
+    header = ["method"] + [f"{what} {n // 1024}K" for n in lengths for what in ("− FullKV", "− best baseline")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, budget in lanes:
+        cells = []
+        for length in lengths:
+            mine = samples.get((method, budget, length), {})
+            full = samples.get(("fullkv", None, length), {})
+            cells.append(_cell(paired(*shared(mine, full)) if set(mine) & set(full) else None, 100, 1, "higher"))
+            best = _best(samples, budget, length, exclude=method)
+            if best is None:
+                cells.append("—")
+                continue
+            theirs = samples[(best, budget, length)]
+            result = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
+            cells.append(f"{_cell(result, 100, 1, 'higher')} vs {best}")
+        name = method if budget is None else f"{method} @{budget:.0%}"
+        lines.append("| " + " | ".join([name] + cells) + " |")
+    return ("Paired differences in string_match_all × 100: mean [95% bootstrap CI] (shared samples; verdict). "
+            "The best baseline of a budget is the budgeted paper baseline with the highest mean there.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def fidelity_paired(rows: list[dict]) -> str:
+    """Mean KL(FullKV ‖ method) minus the best budgeted baseline's at the same budget, paired over passages (lower
+    is better)."""
+    passages = _by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
+    lanes = sorted({(m, b) for (m, b) in passages if m != "fullkv"}, key=lambda m: (m[1] or 2, m[0]))
+    lines = ["| method | KL − best baseline |", "|---|---|"]
+    if not any(m in BUDGETED_BASELINES for m, _ in passages):
+        return ""  # no baseline ran on these passages: nothing to pair with
+    for method, budget in lanes:
+        best = _best(passages, budget, None, exclude=method, higher=False)
+        if best is None:
+            lines.append(f"| {method if budget is None else f'{method} @{budget:.0%}'} | — |")
+            continue
+        mine, theirs = passages[(method, budget)], passages[(best, budget)]
+        result = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
+        lines.append(f"| {method if budget is None else f'{method} @{budget:.0%}'} | "
+                     f"{_cell(result, 1, 4, 'lower')} vs {best} |")
+    return ("Paired differences in mean next-token KL: mean [95% bootstrap CI] (shared passages; verdict, lower is "
+            "better).\n\n" + "\n".join(lines) + "\n")
+
+
+def _best(samples: dict, budget, length, exclude: str, higher: bool = True) -> str | None:
+    """The budgeted baseline with the best mean at ``budget`` (and ``length``), other than ``exclude``."""
+    if budget is None:
+        return None
+    tail = () if length is None else (length,)
+    means = {m: mean(samples[(m, budget) + tail].values()) for m in BUDGETED_BASELINES
+             if m != exclude and samples.get((m, budget) + tail)}
+    if not means:
+        return None
+    return (max if higher else min)(means, key=means.get)

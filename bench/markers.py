@@ -1,0 +1,63 @@
+"""Tables in the docs, written from committed JSONL between markers, never by hand.
+
+A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
+replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot`` or ``choice``) rendered from the rows
+under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
+render. FOLDER may name several folders joined by ``+`` (their rows are read together).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .common import RESULTS, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "bench/README.md", "docs/engine.md", "docs/baselines.md", "docs/library.md",
+             "docs/studio.md")
+MARKER = re.compile(r"(<!-- bench\.report (\w+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
+
+
+def render(kind: str, folders: str, results: Path = RESULTS) -> str:
+    from .choice import choose, table
+    from .report import fidelity_text, ruler_text
+
+    paths = [results / f for f in folders.split("+")]
+    missing = [str(p) for p in paths if not p.is_dir()]
+    if missing:
+        raise ValueError(f"no results folder {missing} for a {kind} table")
+    if kind == "ruler":
+        return ruler_text(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))))[0]
+    if kind == "fidelity":
+        return fidelity_text(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))))[0]
+    if kind == "tpot":
+        from .tpot import table as tpot_table
+
+        rows = read_jsonl(sorted(f for p in paths for f in p.glob("tpot-*.jsonl")))
+        return tpot_table(rows, rows[0])
+    if kind == "choice":
+        ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
+        fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
+        return table(choose(ruler, fidelity, "qevict"), "qevict")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, choice")
+
+
+def rendered(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every marked table rendered afresh."""
+    return MARKER.sub(lambda m: m.group(1) + render(m.group(2), m.group(3), results).rstrip("\n") + "\n"
+                      + m.group(5), text)
+
+
+def update_documents(root: Path = ROOT, results: Path = RESULTS) -> list[Path]:
+    """Rewrite the marked tables of every document; -> the documents that changed."""
+    changed = []
+    for name in DOCUMENTS:
+        path = root / name
+        if path.exists():
+            text = path.read_text()
+            fresh = rendered(text, results)
+            if fresh != text:
+                path.write_text(fresh)
+                changed.append(path)
+    return changed

@@ -1,0 +1,95 @@
+"""Who reads the low-bit tier at a decode step: an object chosen once, when a cache is built.
+
+``torch`` rebuilds the tier in full precision every step (``assemble``) and attends over the whole sequence;
+``cpu`` (the C kernel, ``cpu_path``) and ``triton`` (``fast_path``) read the packed codes in place, so ``update``
+hands attention only the full-precision keys. Code asks a backend what it can do (``reads_tier_in_place``,
+``steps_heads_in_one_pass``) and lets it run the step; it never compares names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: ClassVar[str] = "torch"
+    reads_tier_in_place: ClassVar[bool] = False  # update() returns [sinks | full | recent] only
+    steps_heads_in_one_pass: ClassVar[bool] = False  # a per-head cache's decode step runs every head at once
+
+    def decode_step(self, layer, query, key, value, scaling, query_pos, scored: bool):
+        """(out (B, L, Hq, D), mass (B, Hkv, N) or None) of a decode step, or None: the layer's PyTorch path."""
+        return None
+
+
+class TorchBackend(Backend):
+    pass
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    reads_tier_in_place = True
+    steps_heads_in_one_pass = True
+
+    def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
+        from . import cpu_path
+
+        out, mass = cpu_path.attend(layer, query, key, value, scaling)
+        return out, mass if scored else None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    reads_tier_in_place = True
+
+    def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
+        from . import fast_path
+
+        merged, lse = fast_path.attend(layer, query, key, value, scaling)
+        out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
+        # from the LSEs just computed, the quantized tier read in place
+        mass = fast_path.key_mass(layer, query, query_pos, lse, key, scaling) if scored else None
+        return out, mass
+
+
+def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:
+    """``QEvictConfig.kernels`` -> the backend. auto: Triton on CUDA when installed, the C kernel on the CPU in
+    float32 when a compiler builds it, else torch. triton: forced (on CPU only under TRITON_INTERPRET=1). cpu:
+    forced (CPU, float32). torch: always. A forced backend that cannot run is a ValueError saying why."""
+    if setting == "torch":
+        return TorchBackend()
+    if setting == "cpu" or (setting == "auto" and device.type == "cpu"):
+        why = _cpu_kernel_unusable(device, dtype)
+        if why is None:
+            return CPUBackend()
+        if setting == "cpu":
+            raise ValueError(f"kernels='cpu' cannot run: {why} (kernels='torch' always can)")
+        return TorchBackend()
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        if setting == "triton":
+            raise ValueError("kernels='triton' needs the triton package (pip install triton)") from err
+        return TorchBackend()
+    if device.type == "cuda":
+        return TritonBackend()
+    if setting == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernels='triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                             "starting Python (or use kernels='torch')")
+        return TritonBackend()
+    return TorchBackend()
+
+
+def _cpu_kernel_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"the model is on {device.type}, the C kernel runs on the CPU"
+    if dtype != torch.float32:
+        return f"the model is in {dtype}, the C kernel reads float32 scales and keys"
+    from kernels import cpu_decode
+
+    return cpu_decode.available()

@@ -1,0 +1,340 @@
+"""QEvict's three-tier cache (Sections 4.1-4.3, Algorithm 1) as a transformers ``Cache``.
+
+Per layer and batch row, tokens after the sink prefix are grouped in windows of Ω tokens. Sinks and the recent
+region stay in full precision; windows leaving the recent region become candidates. At every routing event
+(end of prefill, then every Ω tokens) the candidates - full-tier windows, quantized windows and newly aged
+windows - are ranked by score: the top K_f are kept in full precision, the next K_q in the low-bit tier and the
+rest evicted. Quantized windows take part in attention, so they keep accumulating score and can be promoted.
+
+State of one layer, all in the (B, H, T, D) layout, sized to what is live (only the stage is preallocated):
+  sink_k/v (B,H,s,D) | full_k/v (B,H,nF*Ω,D) + full_ids (B,nF) | recent_k/v (B,H,nR,D) from ``recent_start``
+  quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
+  scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
+  queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
+  stage: while a prompt is read in chunks, the part read so far as INT8 blocks (staging.py); None otherwise.
+``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
+from that tensor, so promotion costs a gather, not another dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .assemble import assemble
+from .cache_base import ReportingLayer
+from .events import RoutingEvent
+from .layout import gather_seq, window_positions
+from .ledger import WindowLedger
+from .rope import unrotate
+from .routing import route_windows
+from .scoring import attend_with_mass, kv_head_mass
+from .staging import PromptStage
+from .attention import sdpa_with_positions
+
+
+class QEvictLayer(ReportingLayer):
+    head: int | None = None  # the KV head this layer holds alone (head_cache.py); None: every head of the layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self.owner
+        b, h, _, d = key_states.shape
+        if b != owner.shape.batch:
+            raise ValueError(f"cache was made for batch size {owner.shape.batch}, got {b}")
+        empty = key_states.new_zeros(b, h, 0, d)
+        self.sink_k = self.sink_v = self.full_k = self.full_v = self.recent_k = self.recent_v = empty
+        self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
+        ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
+                                    owner.config.param_dtype(key_states.dtype), key_states.device)
+        self.quant = ledger
+        self.dormant = ledger if owner.plan.keeps_dormant else None
+        self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
+        self.recent_start = owner.config.sinks
+        self.stage: PromptStage | None = None  # the prompt so far, while it is read in chunks (staging.py)
+        windows = 0 if owner.plan.uncompressed else owner.plan.num_windows
+        self.scores = torch.zeros(b, windows, dtype=torch.float32, device=key_states.device)
+        self.interval = torch.zeros_like(self.scores) if owner.scorer.keeps_interval else None
+        self.is_initialized = True
+
+    def append(self, key_states, value_states):
+        self.store(key_states, value_states)
+        if self.owner.staging and not self.owner.plan.uncompressed:
+            if self.stage is None:
+                self.stage = PromptStage(key_states, self._grid[0], self.owner.max_length)
+            keys, values = self.stage.keys_values(self)
+            self.owner.note_workspace(keys.nbytes + values.nbytes)
+            return keys, values
+        if self.stage is not None:  # the prompt's last chunk: routed as if the prompt were read whole
+            self.stage.release(self)
+            self.stage = None
+        keys = [self.sink_k, self.full_k, self.recent_k]
+        values = [self.sink_v, self.full_v, self.recent_v]
+        if self.quant.num_windows and not self.owner.backend.reads_tier_in_place:
+            return self._with_quantized(keys, values)
+        keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        self.owner.note_workspace(keys.nbytes + values.nbytes)
+        return keys, values
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New tokens into the sinks, then the recent region (``seen`` is the caller's to advance)."""
+        to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
+        if to_sinks:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
+        self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sinks:]], dim=2)
+        self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
+
+    def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        windows: WindowLedger | None = None):
+        """[dequantized, re-rotated ``windows`` (the whole quantized tier by default) | *keys]: a transient copy,
+        counted as workspace."""
+        windows = self.quant if windows is None else windows
+        cos, sin = self.owner.rope_rows(self.sink_k, window_positions(windows.ids, *self._grid))
+        keys, values = assemble(windows, keys, values, cos, sin)
+        self.owner.note_workspace(keys.nbytes + values.nbytes)
+        return keys, values
+
+    @property
+    def _grid(self) -> tuple[int, int]:
+        return self.owner.config.sinks, self.owner.config.omega
+
+    def attend(self, module, query, key, value, scaling, dropout, output=True):
+        out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
+        if self.stage is not None:
+            self.stage.absorb(self)
+        elif self.owner.routed():
+            self.route(key, value)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        return out
+
+    def attend_and_score(self, module, query, key, value, scaling, dropout, output=True):
+        """This step's attention output (None when not ``output`` and it would cost a pass of its own), its mass
+        folded into the score table; no routing."""
+        if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
+            return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
+        scored = self.owner.scorer.needs_attention
+        query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
+        window = self.owner.config.prefill_window
+        if self.stage is not None:  # a chunk of the prompt before its last: no observation window in it yet
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
+            if scored and not window:
+                self.stage.fold(self, kv_head_mass(query, query_pos, key, self.stage.positions(self), scaling),
+                                query.shape[1])
+            return out
+        stepped = self.owner.backend.decode_step(self, query, key, value, scaling, query_pos, scored) \
+            if self.owner.step > 0 else None  # the prompt has no quantized tier yet
+        if stepped is not None:
+            out, mass = stepped
+            if mass is not None:
+                self._fold(mass, query.shape[1])
+        elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
+            # A decode step: one attention pass gives the output and every key's mass.
+            out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
+            self._fold(mass, query.shape[1])
+        else:
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
+            if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
+                if window and query.shape[2] > window:
+                    query, query_pos = query[:, :, -window:], query_pos[-window:]
+                self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
+        return out
+
+    def route(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A routing event on what ``update`` returned (called when ``owner.routed()``)."""
+        self.settle()
+        self.move(key, value)
+
+    def settle(self) -> None:
+        """Finish the score table for ranking: the scorer's interval, then the windows leaving the recent region."""
+        scorer = self.owner.scorer
+        scorer.settle(self.scores, self.interval)
+        if scorer.reads_aged_keys:
+            aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
+            if aged.shape[1]:
+                scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self._grid[1]])
+
+    def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rank the settled candidates and move windows between tiers."""
+        self._route(key, value, tier_in_keys=not self.owner.backend.reads_tier_in_place)
+        self.owner.note_bytes(self.layer_idx)
+
+    def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
+        """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
+        the score table; Eq. 1 averages over the ``q_heads`` query heads.
+
+        Every tier after the sinks holds whole windows in that order (the recent region's last one may be partial),
+        so a window's mass is a sum over Ω consecutive keys, credited to the tiers' window ids: no per-key positions
+        (building and binning them cost more than the sums on a 4K decode step)."""
+        omega = self.owner.config.omega
+        per_key = kv_mass.sum(dim=1)  # (B, N)
+        b, n_quant = per_key.shape[0], self.quant.num_windows * omega
+        full_start = n_quant + self.sink_k.shape[2]
+        pad = -(per_key.shape[1] - self.sink_k.shape[2]) % omega
+        parts = [per_key[:, :n_quant]] if n_quant else []
+        parts += [per_key[:, full_start:]] + ([per_key.new_zeros(b, pad)] if pad else [])
+        tokens = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        per_window = tokens.reshape(b, tokens.shape[1] // omega, omega).sum(dim=2).div_(q_heads)  # (B, M)
+        self.owner.scorer.fold(self.scores, self.interval, self._fold_ids(per_window.shape[1]), per_window)
+
+    def _fold_ids(self, num: int) -> torch.Tensor:
+        """(B, num) window ids of [quantized | full | recent], rebuilt each step: kept between steps they would be
+        bytes outside the budget."""
+        sinks, omega = self._grid
+        first_recent = (self.recent_start - sinks) // omega
+        n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
+        recent = torch.arange(first_recent, first_recent + n_recent, device=self.full_ids.device, dtype=torch.int32)
+        return torch.cat([self.quant.ids, self.full_ids, recent.expand(self.full_ids.shape[0], -1)], dim=1).long()
+
+    def attended_positions(self) -> torch.Tensor:
+        """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
+        parts = [window_positions(self.quant.ids, *self._grid)] if self.quant.num_windows else []
+        return torch.cat(parts + [self.fp_positions()], dim=1)
+
+    def fp_positions(self) -> torch.Tensor:
+        """(B, N) absolute positions of the full-precision keys [sinks | full | recent]."""
+        b, device = self.full_ids.shape[0], self.full_ids.device
+        parts = [torch.arange(self.sink_k.shape[2], device=device).expand(b, -1)]
+        parts.append(window_positions(self.full_ids, *self._grid))
+        n_recent = self.recent_k.shape[2]
+        parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
+        return torch.cat(parts, dim=1)
+
+    def _route(self, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
+        """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
+        when the step read it in place (then only the windows that some row promotes get dequantized)."""
+        owner, (sinks, omega) = self.owner, self._grid
+        n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
+        cand_ids = self.candidates()
+        aged_ids = cand_ids[:, n_quant + n_full:]
+        num_aged = aged_ids.shape[1]
+        has_record = torch.cat([torch.ones_like(self.quant.ids, dtype=torch.bool),
+                                self.dormant_valid if self.dormant is not None
+                                else torch.zeros_like(self.full_ids, dtype=torch.bool),
+                                torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
+        k_full, k_quant = self.capacities()
+        decision = route_windows(self.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
+                                 owner.config.promotion)
+        old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
+        quant_starts = torch.arange(n_quant, device=keys.device) * omega
+        if not tier_in_keys and n_quant:
+            promoted = decision.full[decision.full < n_quant].unique()  # slots that some row promotes
+            quant_starts = torch.zeros_like(quant_starts).index_copy_(
+                0, promoted, torch.arange(promoted.numel(), device=keys.device) * omega)
+            if promoted.numel():
+                keys, values = self._with_quantized([keys], [values], self.quant.select(promoted.expand(
+                    keys.shape[0], -1)))
+        # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
+        fp_start = keys.shape[2] - self.full_k.shape[2] - self.recent_k.shape[2]  # past [quant | sinks]
+        starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
+                            fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
+
+        full_tok = _token_index(starts, decision.full, omega)
+        self.full_k, self.full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+        self.full_ids = cand_ids.gather(1, decision.full)
+
+        # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
+        # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
+        # demoted ones without a dormant record). One copy joins them and one selection per tier picks from it.
+        records = [self.quant] + ([self.dormant] if self.dormant is not None else [])
+        n_records = sum(r.num_windows for r in records)
+        quant_idx = decision.quant
+        need = ~has_record.gather(1, decision.quant)
+        if need.any():
+            m = int(need.sum(1).max())
+            slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :m]
+            chosen = decision.quant.gather(1, slots)
+            tok = _token_index(starts, chosen, omega)
+            positions = window_positions(cand_ids.gather(1, chosen), sinks, omega)
+            pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
+            records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
+                                                 omega, owner.config.bits, owner.config.param_dtype(keys.dtype)))
+            fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
+            quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
+        joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
+        if self.dormant is not None:
+            self.dormant = _select_records(joined, decision.full, self.full_k)
+            self.dormant_valid = has_record.gather(1, decision.full)
+        self.quant = _select_records(joined, quant_idx, keys)
+        # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
+        self.recent_k = self.recent_k[:, :, num_aged * omega:].clone()
+        self.recent_v = self.recent_v[:, :, num_aged * omega:].clone()
+        self.recent_start += num_aged * omega
+        owner.count_moves(decision, n_quant, n_full)
+        if old is not None:
+            owner.events.append(self._event(old, aged_ids[0].tolist()))
+        owner.scorer.carry(self.scores)
+
+    def capacities(self) -> tuple[int, int]:
+        """(K_f, K_q) of this layer at its next routing event."""
+        return self.owner.plan.k_full, self.owner.plan.k_quant
+
+    def candidates(self) -> torch.Tensor:
+        """(B, C) window ids that the next routing event will rank: [quantized | full | aging out of recent]."""
+        sinks, omega = self._grid
+        first_recent = (self.recent_start - sinks) // omega
+        num_aged = max(0, (self.seen - self.owner.config.recent - sinks) // omega - first_recent)
+        aged = torch.arange(first_recent, first_recent + num_aged, device=self.full_ids.device, dtype=torch.int32)
+        return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
+
+    def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
+        return self.owner.scorer.rank(self.scores).gather(1, cand_ids.long())
+
+    def _event(self, old, aged: list[int]) -> RoutingEvent:
+        old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
+        full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
+        live = set(full) | set(quant)
+        evicted = sorted((old_full | old_quant | set(aged)) - live)
+        sinks, omega = self._grid
+        recent = range((self.recent_start - sinks) // omega, (self.seen - 1 - sinks) // omega + 1)
+        shown = sorted(live | set(evicted) | set(recent))
+        ranking = self.owner.scorer.ranking(self.scores[0])
+        values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
+        return RoutingEvent(
+            lane="", step=self.owner.step, layer=self.layer_idx, head=self.head, seen=self.seen,
+            recent_start=self.recent_start,
+            full=full, quantized=quant,
+            promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
+            admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
+            scores=dict(zip(shown, values)),
+        )
+
+    def resident_bytes(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {}
+        quant = self.quant.nbytes_by_component()
+        dormant = sum(self.dormant.nbytes_by_component().values()) if self.dormant is not None else 0
+        return {
+            "sink": self.sink_k.nbytes + self.sink_v.nbytes,
+            "recent": self.recent_k.nbytes + self.recent_v.nbytes,
+            "full": self.full_k.nbytes + self.full_v.nbytes,
+            "quantized": quant["quantized"],
+            "quant_meta": quant["quant_meta"],
+            "index": quant["index"] + self.full_ids.nbytes,
+            "ledger": dormant + self.dormant_valid.nbytes,
+            "scores": self.scores.nbytes + (self.interval.nbytes if self.interval is not None else 0),
+            "staged": self.stage.nbytes() if self.stage is not None else 0,
+        }
+
+    def tier_counts(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"sink": 0, "recent": 0, "full": 0, "quantized": 0, "evicted": 0}
+        sinks, omega = self._grid
+        left_recent = (self.recent_start - sinks) // omega
+        n_full, n_quant = self.full_ids.shape[1], self.quant.num_windows
+        staged = self.stage.num_tokens if self.stage is not None else 0  # the prompt not yet routed: recent
+        return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2] + staged, "full": n_full * omega,
+                "quantized": n_quant * omega, "evicted": (left_recent - n_full - n_quant) * omega - staged}
+
+
+def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
+    """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
+    return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
+
+
+def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.Tensor) -> WindowLedger:
+    """Ledger records of the chosen candidates; candidates without a record get zeros (flagged invalid)."""
+    if records.num_windows == 0:
+        b, h, _, d = like.shape
+        return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
+                                  num_windows=cand_idx.shape[1])
+    return records.select(cand_idx.clamp(max=records.num_windows - 1))

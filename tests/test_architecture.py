@@ -1,0 +1,102 @@
+"""The arrows between the packages point one way: kernels <- qevict_core <- storage <- ui <- app, and bench on top
+of the engine. Every import counts, a lazy one inside a function too."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# package -> the first-party packages it must never import
+FORBIDDEN = {
+    "kernels": {"qevict_core", "storage", "ui", "bench", "app"},
+    "qevict_core": {"storage", "ui", "bench", "app"},
+    "storage": {"ui", "bench", "app"},
+    "ui": {"bench", "app"},
+}
+
+
+def imported_packages(path: Path) -> set[tuple[str, int]]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name.split(".")[0], node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add((node.module.split(".")[0], node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_upward_import(package):
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+             for path in sorted((ROOT / package).rglob("*.py"))
+             for name, line in sorted(imported_packages(path)) if name in FORBIDDEN[package]]
+    assert not wrong, "imports against the architecture's direction:\n" + "\n".join(wrong)
+
+
+def test_the_checker_sees_a_lazy_upward_import(tmp_path):
+    module = tmp_path / "leaf.py"
+    module.write_text("def f():\n    from qevict_core.layout import window_positions\n    return window_positions\n")
+    assert ("qevict_core", 2) in imported_packages(module)
+
+
+def test_file_names_are_unique_across_the_packages():
+    names = {}
+    for package in ("qevict_core", "kernels", "ui", "storage", "bench"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name != "__init__.py" and path.name != "__main__.py":
+                names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, f"files that share a name: {shared}"
+
+
+def test_every_policy_file_is_a_registered_method():
+    """A new eviction policy is one file in qevict_core/policies/ plus its registry line; this test (and
+    test_baselines, which runs every registered eviction method at its budget) picks it up."""
+    import importlib
+    import inspect
+
+    from qevict_core.policies.base import Policy
+    from qevict_core.registry import METHODS
+
+    registered = {spec.policy for spec in METHODS.values() if spec.policy is not None}
+    for path in sorted((ROOT / "qevict_core" / "policies").glob("*.py")):
+        if path.stem in ("__init__", "base"):
+            continue
+        module = importlib.import_module(f"qevict_core.policies.{path.stem}")
+        policies = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                    if issubclass(cls, Policy) and cls is not Policy and cls.__module__ == module.__name__]
+        assert policies, f"{path.name} defines no Policy"
+        for cls in policies:
+            assert cls in registered, f"{cls.__name__} ({path.name}) has no registry line in qevict_core/registry.py"
+            assert cls.description and cls.reference, f"{cls.__name__} needs a description and a reference"
+
+
+def test_the_readmes_policy_example_runs_at_its_budget():
+    """The contributing section's policy and registry line, taken from README.md as written."""
+    import re
+    from dataclasses import dataclass
+
+    import torch
+
+    from qevict_core import QEvictConfig
+    from qevict_core.policies.base import Policy, ScoreInputs
+    from qevict_core.registry import _policy_spec
+    from tests.conftest import random_prompt, tiny_model
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    policy_code = next(b for b in blocks if "(Policy):" in b)
+    registry_line = next(b for b in blocks if "_policy_spec(" in b).strip().rstrip(",").split("#")[0].strip()
+    scope = {"dataclass": dataclass, "Policy": Policy, "ScoreInputs": ScoreInputs, "torch": torch,
+             "_policy_spec": _policy_spec}
+    exec(policy_code, scope)
+    name, spec = eval("{" + registry_line.rstrip(",") + "}", scope).popitem()
+    model = tiny_model("llama", 2)
+    prompt = random_prompt(200)
+    cache = spec.build(model, QEvictConfig(budget=0.3), max_length=232)
+    with torch.inference_mode():
+        out = model.generate(prompt, cache=cache, max_new_tokens=32, do_sample=False)
+    report = cache.memory_report()
+    assert name == "recent" and out.shape[1] == 232
+    assert report["total_bytes"] <= report["budget_bytes"] < report["fullkv_bytes"]

@@ -1,0 +1,30 @@
+"""Every table marked in the docs is what bench.report renders from the committed rows, at the current code."""
+
+import pytest
+
+from bench.markers import DOCUMENTS, MARKER, ROOT, render, rendered
+
+
+@pytest.mark.parametrize("name", DOCUMENTS)
+def test_marked_tables_match_a_fresh_render(name):
+    path = ROOT / name
+    if not path.exists():
+        pytest.skip(f"{name} does not exist")
+    text = path.read_text()
+    assert rendered(text) == text, f"{name}: a marked table differs from the rows; run python -m bench.report"
+
+
+def test_the_docs_hold_marked_tables_and_a_hand_edit_is_caught():
+    text = (ROOT / "bench/README.md").read_text()
+    marks = list(MARKER.finditer(text))
+    assert len(marks) >= 2
+    body = marks[0].group(4)
+    edited = text.replace(body, body.replace("| pass |", "| fail |", 1), 1)
+    assert edited != text and rendered(edited) == text  # the render puts the rows' value back
+
+
+def test_an_unknown_kind_or_folder_is_refused_with_what_exists():
+    with pytest.raises(ValueError, match="kinds: ruler, fidelity, tpot, choice"):
+        render("speed", "default_dev")
+    with pytest.raises(ValueError, match="no results folder"):
+        render("ruler", "no_such_folder")

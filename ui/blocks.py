@@ -1,0 +1,215 @@
+"""The studio's Blocks: components and wiring only. What each event does is a plain method of
+``handlers.Handlers``; the form's schema is ``form``, drawing is ``plots`` and ``cards``."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import gradio as gr
+
+from qevict_core import QEvictConfig
+from qevict_core.registry import METHODS
+from storage.schema import max_import_bytes
+
+from . import sessions
+from .components import FormCheckbox, FormDropdown, FormNumber, FormRadio, FormSlider, FormTextbox
+from .handlers import CLEARED, Handlers, lane_choices
+from .examples import EXAMPLES
+from .form import MAX_NEW_TOKENS
+from .glossary import GLOSSARY
+from .gpu import GPU
+from .studio import Studio
+
+DEFAULTS = QEvictConfig()
+INTRO = """# QEvict studio
+Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache
+(FullKV), a baseline and QEvict, which keeps most windows of past tokens in 4 bits that still take part in
+attention and can be promoted back, the most-attended ones in full precision when the bytes allow, and evicts the
+rest. Pick an example and press **Generate**. Every run is saved; its share link replays it step by step."""
+
+
+def methods_markdown() -> str:
+    rows = [f"| `{name}` | {spec.description} | {spec.reference} |" for name, spec in METHODS.items()
+            if spec.kind == "method"]
+    ablations = [f"| `{name}` | {spec.description} |" for name, spec in METHODS.items() if spec.kind == "ablation"]
+    return ("| method | keeps | follows |\n|---|---|---|\n" + "\n".join(rows)
+            + "\n\n**Ablations** (in the lane menus once *Show ablations* is ticked):\n\n| ablation | keeps |\n"
+              "|---|---|\n" + "\n".join(ablations))
+
+
+def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
+    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, pickers, routing views."""
+    p = SimpleNamespace()
+    p.lanes = gr.HTML(elem_id=f"{prefix}lanes")
+    p.stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
+                           max_height=440, column_widths=["34%"],
+                           label="Lanes side by side (tokens per layer, moves in windows; see the glossary)")
+    p.memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
+    with gr.Row():
+        p.lane = gr.Dropdown([], value=None, label="Routing shown for lane", elem_id=f"{prefix}shown-lane",
+                             allow_custom_value=True, scale=2, min_width=160)
+        p.layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer (0–{layers - 1})",
+                             elem_id=f"{prefix}layer", scale=3, min_width=160)
+        p.head = FormSlider(0, heads - 1, value=0, step=1, elem_id=f"{prefix}head", scale=2, min_width=160,
+                            label=f"KV head, for a lane routed per head (0–{heads - 1})")
+    with gr.Row(equal_height=False):
+        p.tier = gr.Plot(label="Tier map", show_label=False, elem_id=f"{prefix}tier-map", min_width=320)
+        p.heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
+    p.moves = gr.HTML(elem_id=f"{prefix}moves")
+    p.prompt = gr.HTML(elem_id=f"{prefix}prompt-tiers")
+    p.outputs = [p.lanes, p.stats, p.memory, p.tier, p.heat, p.moves, p.prompt]
+    p.routing = [p.tier, p.heat, p.moves, p.prompt]
+    return p
+
+
+def run_tab(studio: Studio) -> SimpleNamespace:
+    t = SimpleNamespace()
+    with gr.Row():
+        with gr.Column(scale=3, min_width=300):
+            t.example = gr.Dropdown(list(EXAMPLES), value=None, label="Example prompts", elem_id="example")
+            t.prompt = FormTextbox(lines=6, max_lines=14, label="Prompt", elem_id="prompt")
+            t.expected = FormTextbox("", label="Expected answer (optional: each lane is checked for it)",
+                                     elem_id="expected", max_length=200)
+        with gr.Column(scale=2, min_width=300):
+            with gr.Row():
+                t.lanes = [FormDropdown(lane_choices(False), value=value, label=f"Lane {i}", elem_id=f"lane{i}")
+                           for i, value in enumerate(("fullkv", "snapkv", "qevict"), start=1)]
+            t.ablations = gr.Checkbox(False, label="Show ablations (R1, R2, no promotion, scorers, Ω, per-head "
+                                      "routing, …) in the lane menus", elem_id="ablations")
+            t.budget = FormSlider(0.01, 1.0, value=DEFAULTS.budget, step=0.01, elem_id="budget",
+                                  label="KV budget: share of FullKV's bytes (0.01–1)")
+            t.max_new = FormSlider(1, MAX_NEW_TOKENS, value=64, step=1, elem_id="max-new",
+                                   label=f"Max new tokens (1–{MAX_NEW_TOKENS})")
+            with gr.Accordion("QEvict settings", open=False):
+                with gr.Row():
+                    t.omega = FormSlider(1, 64, value=DEFAULTS.omega, step=1,
+                                         label="Ω: window and routing interval, tokens (1–64)")
+                    t.q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
+                                          label="q: share of the history budget in low bits (0–1)")
+                    t.coverage = FormSlider(0.0, 1.0, value=DEFAULTS.coverage or 0.0, step=0.05, elem_id="coverage",
+                                            label="coverage κ: share of the windows the low-bit tier is sized for "
+                                                  "first (0 = split by q)")
+                with gr.Row():
+                    t.bits = FormRadio([2, 4], value=DEFAULTS.bits, label="low-bit tier: bits")
+                    t.scorer = FormDropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer, label="scorer")
+                    t.promotion = FormCheckbox(value=DEFAULTS.promotion, label="promotion")
+                with gr.Row():
+                    # No minimum/maximum here: Gradio would refuse before our form could say why.
+                    t.sinks = FormNumber(value=DEFAULTS.sinks, label="sinks (0–64)")
+                    t.recent = FormNumber(value=DEFAULTS.recent, label="recent (0–1024)")
+                    t.temperature = FormNumber(value=0.0, label="temperature (0 = greedy, up to 2)")
+                    t.seed = FormNumber(value=0, label="seed (0 or more)")
+    with gr.Row():
+        t.generate = gr.Button("Generate", variant="primary", elem_id="generate")
+        t.stop = gr.Button("Stop", elem_id="stop")
+    t.status = gr.Markdown(elem_id="status")
+    t.view = view_panel("", studio.num_layers, studio.num_kv_heads)
+    t.share = gr.Markdown(elem_id="share")
+    with gr.Accordion("What each method keeps", open=False):
+        gr.Markdown(methods_markdown(), elem_id="methods")
+    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+        gr.Markdown(GLOSSARY, elem_id="glossary")
+    return t
+
+
+def replay_tab(studio: Studio) -> SimpleNamespace:
+    r = SimpleNamespace()
+    with gr.Row():
+        r.id = gr.Textbox(label="Session id", elem_id="replay-id", scale=3)
+        r.load = gr.Button("Load", elem_id="replay-load", scale=1)
+    r.status = gr.Markdown(elem_id="replay-status")
+    with gr.Row():
+        r.step = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="replay-step", scale=4)
+        r.play = gr.Button("Play", elem_id="replay-play", scale=1, min_width=80)
+        r.pause = gr.Button("Pause", elem_id="replay-pause", scale=1, min_width=80)
+    r.timer = gr.Timer(0.4, active=False)
+    r.view = view_panel("replay-", studio.num_layers, studio.num_kv_heads)
+    r.diagnose = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
+    r.diagnostics = gr.Markdown(elem_id="replay-diagnostics")
+    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+        gr.Markdown(GLOSSARY)
+    return r
+
+
+def sessions_tab() -> SimpleNamespace:
+    s = SimpleNamespace()
+    gr.Markdown("Runs made or imported **in this browser** (kept in its local storage, with their delete tokens). "
+                "Nobody else sees this list; a share link opens one run.")
+    s.table = gr.Dataframe(headers=sessions.SESSION_HEADERS, interactive=False, elem_id="sessions-table", wrap=True)
+    s.id = gr.Textbox(label="Session id (click a row)", elem_id="manage-id")
+    with gr.Row():
+        s.open = gr.Button("Open in Replay", elem_id="open-session")
+        s.export = gr.Button("Export JSON", elem_id="export-session")
+        s.delete = gr.Button("Delete", variant="stop", elem_id="delete-session")
+    with gr.Accordion("Delete a session made in another browser", open=False):
+        s.token = gr.Textbox(label="Delete token", type="password", elem_id="manage-token")
+    s.file = gr.File(label="Exported session", elem_id="export-file")
+    s.upload = gr.File(label=f"Import a session (.json, up to {max_import_bytes() / 2**20:.0f} MiB)",
+                       file_types=[".json"], elem_id="import-file")
+    s.status = gr.Markdown(elem_id="manage-status")
+    return s
+
+
+def build_demo(studio: Studio) -> gr.Blocks:
+    ev = Handlers(studio)
+    private = {"api_visibility": "private"}
+    with gr.Blocks(title="QEvict studio", analytics_enabled=False) as demo:
+        owned = gr.BrowserState([], storage_key=sessions.STORAGE_KEY,
+                                # The secret travels to the browser with the page, so it protects nothing; a fixed
+                                # one keeps a visitor's list readable across server restarts.
+                                secret=os.environ.get("QEVICT_BROWSER_SECRET", "qevict-studio"))
+        gr.Markdown(INTRO)
+        with gr.Tabs(selected="run") as tabs:
+            with gr.Tab("Run", id="run"):
+                t = run_tab(studio)
+            with gr.Tab("Replay", id="replay"):
+                r = replay_tab(studio)
+            with gr.Tab("Sessions", id="sessions") as sessions_page:
+                s = sessions_tab()
+        v, rv = t.view, r.view
+
+        # -- run
+        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected], **private)
+        t.ablations.change(ev.show_ablations, [t.ablations, *t.lanes], t.lanes, **private)
+        for menu in t.lanes:
+            menu.change(ev.shown_lane_menu, t.lanes, v.lane, **private)
+        demo.load(ev.shown_lane_menu, t.lanes, v.lane, **private)
+        new_ref = gr.State(None)  # the run's {id, token}, handed to the browser's list (not part of the API)
+        inputs = [t.prompt, *t.lanes, t.budget, t.omega, t.q_frac, t.bits, t.sinks, t.recent, t.scorer, t.promotion,
+                  t.max_new, t.temperature, t.seed, v.layer, t.expected, v.head, t.coverage, v.lane]
+        t.generate.click(ev.arm, None, [t.status, *v.outputs, t.share], queue=False, **private).then(
+            GPU(duration=300)(ev.generate), inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
+            concurrency_id="gpu", concurrency_limit=1, show_progress_on=[t.status])
+        new_ref.change(ev.record, [new_ref, owned], owned, **private)
+        t.stop.click(ev.request_stop, None, t.status, queue=False, **private)
+        for picker in (v.layer, v.head, v.lane):
+            picker.change(ev.redraw_routing, [v.layer, v.head, v.lane], v.routing, **private)
+
+        # -- replay
+        pickers = [rv.layer, rv.head, rv.lane]
+        shown = [r.status, r.step, rv.lane, *rv.outputs]
+        r.load.click(ev.load_replay, [r.id, *pickers], shown, **private)
+        r.step.input(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
+        for picker in (rv.layer, rv.head):
+            picker.change(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
+        rv.lane.input(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
+        r.play.click(lambda: gr.Timer(active=True), None, r.timer, **private)
+        r.pause.click(lambda: gr.Timer(active=False), None, r.timer, **private)
+        r.timer.tick(ev.tick, [r.id, r.step, *pickers], [*shown, r.timer], **private)
+        r.diagnose.click(GPU(duration=120)(ev.run_diagnostics), r.id, r.diagnostics, concurrency_id="gpu",
+                         concurrency_limit=1, **private)
+
+        # -- sessions
+        owned.change(ev.list_sessions, owned, s.table, **private)
+        sessions_page.select(ev.list_sessions, owned, s.table, **private)
+        s.table.select(ev.pick_row, None, s.id, **private)
+        s.open.click(ev.open_session, [s.id, *pickers], [tabs, r.id, *shown], **private)
+        s.export.click(ev.export_session, s.id, [s.file, s.status], **private)
+        s.upload.upload(ev.import_session, [s.upload, owned], [s.status, owned], **private)
+        s.delete.click(ev.delete_session, [s.id, s.token, owned], [s.status, owned], **private)
+
+        # -- deep links and cleanup
+        demo.load(ev.on_load, [*pickers, owned], [tabs, r.id, *shown, s.table], **private)
+        demo.unload(ev.forget)
+    return demo
