@@ -19,39 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from qevict_core.prefill import prefill
+from qevict_core.timing import interleaved_steps
 
 from .common import RESULTS, Variant, add_model_args, method_lanes
-from .speed import load, prompt_ids, routing_overhead, sync
+from .speed import load, prompt_ids, routing_overhead
 
 
 def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, float | None]],
                         new_tokens: int) -> dict[str, list[tuple[float, bool]]]:
-    """Prefill a fresh cache per lane, then ``new_tokens - 1`` decode steps of every lane, interleaved, the order
-    rotated each step -> per lane its (seconds, routed) per step."""
-    device = prompt.device
-    caches, tokens, steps = {}, {}, {}
-    with torch.inference_mode():
-        for spec, budget in lanes:
-            variant = Variant.parse(spec)
-            caches[spec] = variant.make_cache(model, budget, prompt.shape[1] + new_tokens)
-            tokens[spec] = prefill(model, prompt, caches[spec], variant.chunk).argmax(-1, keepdim=True)
-            steps[spec] = []
-        order = [spec for spec, _ in lanes]
-        for step in range(new_tokens - 1):
-            for spec in order[step % len(order):] + order[:step % len(order)]:
-                sync(device)
-                began = time.perf_counter()
-                logits = model(tokens[spec], cache=caches[spec], logits_to_keep=1).logits
-                tokens[spec] = logits[:, -1].argmax(-1, keepdim=True)
-                sync(device)
-                steps[spec].append((time.perf_counter() - began, caches[spec].routed()))
-    return steps
+    """A fresh cache per lane, then ``qevict_core.timing.interleaved_steps`` -> per lane its (seconds, routed)."""
+    variants = {spec: Variant.parse(spec) for spec, _ in lanes}
+    caches = {spec: variants[spec].make_cache(model, budget, prompt.shape[1] + new_tokens) for spec, budget in lanes}
+    return interleaved_steps(model, prompt, caches, new_tokens, {spec: v.chunk for spec, v in variants.items()})
 
 
 def summarise(steps: list[tuple[float, bool]]) -> dict:

@@ -95,8 +95,10 @@ class StudioProcess:
         self.process: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, timeout: float = 90) -> str:
-        port = free_port()
+    def start(self, timeout: float = 90, same_port: bool = False) -> str:
+        """``same_port``: come back where the last process was (a restart, as a browser tab sees it)."""
+        port = self.port if same_port and getattr(self, "port", None) else free_port()
+        self.port = port
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADIO_ANALYTICS_ENABLED": "False"}
         command = [sys.executable, "-m", "tests.tiny_studio", str(port), self.database_url, str(self.delay)]
         self.process = subprocess.Popen(command,

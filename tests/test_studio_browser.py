@@ -77,21 +77,34 @@ def test_every_example_runs_at_the_default_settings(studio, browser, name):
     assert cards.count() == 3
     for i in range(3):
         assert " tokens" in cards.nth(i).locator(".qe-stats").inner_text()
-    expected = EXAMPLES[name]()[1]
+    expected = EXAMPLES[name]().expected
+    assert page.locator("#example-hint").inner_text().strip()  # what to look at, in one line
     if expected:
         assert page.locator("#expected input, #expected textarea").first.input_value() == expected
         assert "the answer “" in cards.nth(2).locator(".qe-answer").inner_text()
-    if name == "Chat question":  # a short run: the lanes that need more than 20% say so on the lane
-        assert "Runs at" in cards.nth(1).locator(".qe-note").inner_text()
-        assert "the least this method can run with" in cards.nth(2).locator(".qe-note").inner_text()
-        shot(page, "studio-chat-1280")
+    if name.startswith("Needle"):
+        shot(page, "studio-needle-1280")
         page.set_viewport_size(PHONE)
         page.wait_for_function(f"document.documentElement.clientWidth <= {PHONE['width']}")
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= PHONE["width"] + 1, f"the page scrolls sideways on a phone ({width} px)"
         table = page.locator("#stats")
         assert table.locator("thead th").count() == 4  # measure + 3 lanes fit a phone
-        shot(page, "studio-chat-390")
+        # every column of the stats table is inside its box or the box scrolls: nothing is clipped unreachable
+        assert page.evaluate("""() => { const box = document.querySelector('#stats');
+            const last = [...box.querySelectorAll('thead th')].pop().getBoundingClientRect();
+            const scroller = [box, ...box.querySelectorAll('*')].find(e => e.scrollWidth > e.clientWidth + 1 &&
+                ['auto', 'scroll'].includes(getComputedStyle(e).overflowX));
+            return last.right <= box.getBoundingClientRect().right + 1 || scroller !== undefined; }""")
+        page.get_by_text("What each method keeps").click()
+        page.locator("#methods td").first.wait_for(state="visible")
+        narrowest = page.evaluate("Math.min(...[...document.querySelectorAll('#methods td')].map("
+                                  "c => c.getBoundingClientRect().width))")
+        assert narrowest >= 60, f"a method-table column is {narrowest:.0f} px wide: words break every few letters"
+        shot(page, "studio-needle-390")
+        assert sessions_listed(page)  # this run, listed: the table stays inside the phone's width
+        right = page.evaluate("document.querySelector('#sessions-table').getBoundingClientRect().right")
+        assert right <= PHONE["width"] + 1, f"the Sessions table reaches {right:.0f} px on a {PHONE['width']} px phone"
 
 
 def test_run_stream_share_and_replay(studio, browser):
@@ -115,7 +128,7 @@ def test_run_stream_share_and_replay(studio, browser):
     title, plot = page.locator("#heatmap .gtitle").bounding_box(), page.locator("#heatmap .js-plotly-plot").bounding_box()
     bar = page.locator("#heatmap .colorbar").bounding_box()
     assert plot["y"] <= title["y"] and title["y"] + title["height"] < bar["y"], (title, plot, bar)
-    assert "cumulative attention per window" in page.locator("#heatmap .gtitle").inner_text()
+    assert "cumulative attention per window" in page.locator("#heatmap .gtitle").text_content()
     assert "qevict_head: layer 1, KV head 0" in page.locator("#tier-map").inner_text()  # routed per head
     set_number(page, "head", 1)
     wait_text(page, "#tier-map", "qevict_head: layer 1, KV head 1", 30_000)

@@ -43,12 +43,17 @@ def test_a_crash_leaves_the_run_interrupted_with_what_was_shown(tmp_path):
                                    "e => parseInt(e.innerText) >= 12)", timeout=120_000)
             seen = shown_tokens(page)
             server.kill()
-            assert outside == []
-        store = SessionStore(make_engine(url))
-        assert store.get(session_id)["status"] == "running"  # nobody could say otherwise while it was down
+            store = SessionStore(make_engine(url))
+            assert store.get(session_id)["status"] == "running"  # nobody could say otherwise while it was down
 
-        base = server.start()  # same database, new process
-        assert store.get(session_id)["status"] == "interrupted"
+            base = server.start(same_port=True)  # same database, new process, where the tab left it
+            assert store.get(session_id)["status"] == "interrupted"
+            page.reload()  # the open tab comes back: its prompt, and a line saying what happened
+            page.wait_for_function("document.querySelector('#status')?.innerText.includes('server restarted')",
+                                   timeout=60_000)
+            assert page.locator("#prompt textarea").input_value() == "Remember the lantern. " * 40
+            assert session_id in page.locator("#status").inner_text()
+            assert outside == []
         events = store.events(session_id)
         stored = {lane: sum(e["kind"] == "token" and e["lane"] == lane for e in events) for lane in seen}
         for lane, count in seen.items():

@@ -89,13 +89,14 @@ def test_failures_before_the_run_save_nothing(studio):
 def test_every_example_runs_every_default_lane(studio, name):
     """No default path ends in "Cannot run": a lane that cannot exist at the chosen budget on a short sequence runs
     at the least it can, and its note says so in words."""
-    prompt, expected = EXAMPLES[name]()
-    req = parse_request(prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 2, 5, 32, "cumulative", True, 64,
-                        0.0, 0, expected)
+    example = EXAMPLES[name]()
+    new = min(example.max_new_tokens, 64)
+    req = parse_request(example.prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 4, 5, 32, "cumulative", True,
+                        new, 0.0, 0, example.expected)
     final = list(studio.run(req))[-1]
-    assert final.status == "done"
+    assert final.status == "done" and example.hint
     for lane in final.view.lanes.values():
-        assert len(lane.tokens) == 64
+        assert len(lane.tokens) == new
         assert lane.budget_bytes is None or lane.total_bytes <= lane.budget_bytes
     specs = {lane["name"]: lane for lane in studio.store.get(final.session_id)["request"]["lanes"]}
     for name_, lane in final.view.lanes.items():
@@ -470,3 +471,32 @@ def test_the_time_left_follows_the_latest_steps_not_the_first():
     text = progress_text(Update(view, "s", "t", False, "running"), None)
     # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
     assert text == "**Generating…** token 22 of at most 200, about 89 s left at most.", text
+
+
+def test_a_draft_survives_a_reload_and_a_restart_says_so(studio):
+    from ui.handlers import BOOT, Handlers
+
+    events = Handlers(studio)
+    draft = events.save_draft("What did Mr. Darcy say?", "nothing")
+    assert draft == {"prompt": "What did Mr. Darcy say?", "expected": "nothing", "boot": BOOT}
+    owned = [{"id": "a" * 22, "token": "t" * 22}]
+    prompt, expected, status = events.restore_draft(draft, owned)  # a reload: the text back, no message
+    assert (prompt, expected) == ("What did Mr. Darcy say?", "nothing") and status["__type__"] == "update"
+    prompt, expected, status = events.restore_draft({**draft, "boot": "an-earlier-server"}, owned)
+    assert prompt == "What did Mr. Darcy say?" and "**The server restarted.**" in status and "a" * 22 in status
+    # what a browser sends back is untrusted: anything else restores nothing
+    for bad in (None, [], {"prompt": 5}, {"prompt": ""}, "x"):
+        assert all(out["__type__"] == "update" for out in events.restore_draft(bad, owned))
+    assert events.save_draft(["a list"], "")["__type__"] == "update"
+
+
+def test_time_the_lanes_alone_rebuilds_the_runs_lanes_and_times_them_interleaved(studio):
+    final = list(studio.run(request(methods=("fullkv", "qevict", "qevict"), max_new=8)))[-1]
+    table = studio.time_lanes(final.session_id, new_tokens=5)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"lane", "fullkv", "qevict", "qevict#2"}
+    assert rows["fullkv"].rstrip(" |").endswith("1.000")  # the baseline against itself, within the run
+    assert "4 decode steps of every lane, interleaved" in table
+    from ui.handlers import Handlers
+
+    assert Handlers(studio).time_lanes("no-such-session").startswith("**Cannot time this run:**")

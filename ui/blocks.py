@@ -68,6 +68,7 @@ def run_tab(studio: Studio) -> SimpleNamespace:
     with gr.Row():
         with gr.Column(scale=3, min_width=300):
             t.example = gr.Dropdown(list(EXAMPLES), value=None, label="Example prompts", elem_id="example")
+            t.hint = gr.Markdown(elem_id="example-hint")
             t.prompt = FormTextbox(lines=6, max_lines=14, label="Prompt", elem_id="prompt")
             t.expected = FormTextbox("", label="Expected answer (optional: each lane is checked for it)",
                                      elem_id="expected", max_length=200)
@@ -127,6 +128,8 @@ def replay_tab(studio: Studio) -> SimpleNamespace:
     r.view = view_panel("replay-", studio.num_layers, studio.num_kv_heads)
     r.diagnose = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
     r.diagnostics = gr.Markdown(elem_id="replay-diagnostics")
+    r.time = gr.Button("Time the lanes alone (interleaved, as bench.tpot)", elem_id="replay-time")
+    r.timing = gr.Markdown(elem_id="replay-timing")
     with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
         gr.Markdown(GLOSSARY)
     return r
@@ -159,6 +162,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
                                 # The secret travels to the browser with the page, so it protects nothing; a fixed
                                 # one keeps a visitor's list readable across server restarts.
                                 secret=os.environ.get("QEVICT_BROWSER_SECRET", "qevict-studio"))
+        # what the tab has typed: a reload or a server restart gives it back
+        draft = gr.BrowserState(None, storage_key="qevict-draft",
+                                secret=os.environ.get("QEVICT_BROWSER_SECRET", "qevict-studio"))
         gr.Markdown(INTRO)
         with gr.Tabs(selected="run") as tabs:
             with gr.Tab("Run", id="run"):
@@ -170,7 +176,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
         v, rv = t.view, r.view
 
         # -- run
-        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected], **private)
+        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected, t.max_new, v.layer, t.hint],
+                         **private).then(ev.save_draft, [t.prompt, t.expected], draft, **private)
         t.ablations.change(ev.show_ablations, [t.ablations, *t.lanes], t.lanes, **private)
         for menu in t.lanes:
             menu.change(ev.shown_lane_menu, t.lanes, v.lane, **private)
@@ -182,6 +189,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
             GPU(duration=300)(ev.generate), inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
             concurrency_id="gpu", concurrency_limit=1, show_progress_on=[t.status])
         new_ref.change(ev.record, [new_ref, owned], owned, **private)
+        for event in (t.prompt.blur, t.expected.blur, t.generate.click):
+            event(ev.save_draft, [t.prompt, t.expected], draft, **private)
+        demo.load(ev.restore_draft, [draft, owned], [t.prompt, t.expected, t.status], **private)
         t.stop.click(ev.request_stop, None, t.status, queue=False, **private)
         for picker in (v.layer, v.head, v.lane):
             picker.change(ev.redraw_routing, [v.layer, v.head, v.lane], v.routing, **private)
@@ -199,6 +209,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
         r.timer.tick(ev.tick, [r.id, r.step, *pickers], [*shown, r.timer], **private)
         r.diagnose.click(GPU(duration=120)(ev.run_diagnostics), r.id, r.diagnostics, concurrency_id="gpu",
                          concurrency_limit=1, **private)
+        r.time.click(GPU(duration=120)(ev.time_lanes), r.id, r.timing, concurrency_id="gpu", concurrency_limit=1,
+                     **private)
 
         # -- sessions
         owned.change(ev.list_sessions, owned, s.table, **private)

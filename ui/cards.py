@@ -18,6 +18,11 @@ def _esc(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def answer_parts(expected: str) -> list[str]:
+    """An expected answer's parts: "a; b" asks for both."""
+    return [part.strip() for part in expected.split(";") if part.strip()]
+
+
 def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
     """(css classes, words) of a lane's pills: whether it found the expected answer (green or red, only where the
     prompt has one), and, apart, how far it agrees with FullKV (grey when the same, amber when it differs: a lane
@@ -25,9 +30,15 @@ def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
     pills = []
     expected = view.expected
     if expected and lane.tokens:
-        found = expected.lower() in lane.text.lower()
-        pills.append(("qe-answer qe-good" if found else "qe-answer qe-bad",
-                      f"✓ found the answer “{expected}”" if found else f"✗ missed the answer “{expected}”"))
+        parts = answer_parts(expected)
+        hits = [p for p in parts if p.lower() in lane.text.lower()]
+        if len(hits) == len(parts):
+            pills.append(("qe-answer qe-good", f"✓ found the answer “{expected}”"))
+        elif hits:
+            pills.append(("qe-answer qe-bad", f"✗ found {len(hits)} of {len(parts)} parts of the answer "
+                                              f"(“{'; '.join(hits)}”)"))
+        else:
+            pills.append(("qe-answer qe-bad", f"✗ missed the answer “{expected}”"))
     agreement = view.agreement().get(lane.name)
     if lane.method == "fullkv":
         pills.append(("qe-agree qe-same", "the reference: nothing compressed"))
@@ -56,7 +67,8 @@ def lanes_html(view: RunView) -> str:
             stats.append("per layer: " + ", ".join(f"{lane.tiers[t]} {TIER_WORDS[t]}" for t in TIER_WORDS
                                                    if lane.tiers.get(t)) + " tokens")
         if lane.ms_per_token:
-            how = "alone, estimated" if lane.alone_seconds is not None else "shared forward"
+            how = ("estimated inside the shared batch; Replay → “Time the lanes alone” measures it"
+                   if lane.alone_seconds is not None else "of the shared batch")
             stats.append(f"{lane.ms_per_token:.0f} ms per token ({how})")
         if lane.done:
             stats.append(_esc(lane.done))

@@ -1,28 +1,81 @@
-"""Prompts that ship with the studio."""
+"""Prompts that ship with the studio, each with what to look at.
+
+An example is (prompt, expected answer or "" when there is none, new tokens, the layer to show, one line on what to
+look at). Several answers separated by "; " must all appear for a lane to have found them.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 AUSTEN = Path(__file__).resolve().parents[1] / "bench" / "data" / "austen.txt"
+# Written by `python -m bench.promotion_example`: a needle whose window QEvict demotes and promotes back.
+PROMOTION = Path(__file__).with_name("promotion_example.json")
 
 
-def needle_in_austen(chars: int = 8200, key: str = "lantern", value: str = "4738291") -> str:
-    """~2K tokens of Pride and Prejudice with a magic number hidden at half depth, then the question."""
-    haystack = AUSTEN.read_text()[:chars]
-    cut = haystack.find(". ", len(haystack) // 2) + 2
-    body = f"{haystack[:cut]} One of the special magic numbers for {key} is: {value}. {haystack[cut:]}"
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    expected: str
+    max_new_tokens: int
+    layer: int | None  # the layer the tier map should open on (None: the studio's default)
+    hint: str
+
+
+def austen(start: int, chars: int) -> str:
+    """``chars`` characters of Pride and Prejudice from the sentence after ``start``."""
+    text = AUSTEN.read_text()
+    begin = 0 if start == 0 else text.find(". ", start) + 2
+    return text[begin:begin + chars]
+
+
+def hide(haystack: str, facts: list[tuple[float, str]]) -> str:
+    """Each fact inserted at a sentence boundary near its depth (0 = start, 1 = end)."""
+    for depth, fact in sorted(facts, reverse=True):  # from the end, so earlier cuts keep their place
+        cut = haystack.find(". ", int(len(haystack) * depth)) + 2
+        haystack = f"{haystack[:cut]}{fact} {haystack[cut:]}"
+    return haystack
+
+
+def needle_in_austen(chars: int = 8200, key: str = "lantern", value: str = "4738291", start: int = 0,
+                     depth: float = 0.5) -> str:
+    """~2K tokens of Pride and Prejudice with a magic number hidden at ``depth``, then the question."""
+    body = hide(austen(start, chars), [(depth, f"One of the special magic numbers for {key} is: {value}.")])
     return (f"Read the text below and remember the special magic number hidden in it.\n\n{body}\n\n"
             f"What is the special magic number for {key} mentioned in the text?")
 
 
-MUFFINS = ("A baker makes 4 trays of 12 muffins. She sells 17 muffins in the morning and 2 trays' worth in the "
-           "afternoon, then bakes 9 more. How many muffins does she have at the end of the day? Think step by step "
-           "and give the final number.")
+def two_facts() -> Example:
+    body = hide(austen(30000, 8000), [(0.2, "The special magic number for harbor is: 5190437."),
+                                      (0.8, "The special magic city for harbor is: Valparaiso.")])
+    prompt = (f"Read the text below and remember the two facts about harbor hidden in it.\n\n{body}\n\n"
+              "What are the special magic number and the special magic city for harbor?")
+    return Example(prompt, "5190437; Valparaiso", 48, None,
+                   "Two facts far apart: does each lane keep both windows? The tier map shows where each one sits.")
 
-# name -> () -> (prompt, expected answer or "" when there is no single right answer)
+
+def continuation() -> Example:
+    prompt = ("Continue this passage of Pride and Prejudice in the same style.\n\n" + austen(60000, 6000))
+    return Example(prompt, "", 256, None,
+                   "A long run: watch “% same as FullKV” and where each lane's text first differs, over 256 tokens.")
+
+
+def promotion() -> Example:
+    found = json.loads(PROMOTION.read_text())
+    prompt = needle_in_austen(start=found["start"], depth=found["depth"], key=found["key"], value=found["value"])
+    return Example(prompt, found["value"], found["max_new_tokens"], found["layer"],
+                   f"Layer {found['layer']}: QEvict demotes window {found['window']} (“{found['text']}”) at step "
+                   f"{found['demoted_step']} and promotes it back at step {found['promoted_step']} while it answers "
+                   "(▼ then ▲ in the tier map; the moves list names it).")
+
+
 EXAMPLES = {
-    "Needle in ~2K tokens of Austen (retrieval)": lambda: (needle_in_austen(), "4738291"),
-    "Multi-step reasoning": lambda: (MUFFINS, str(4 * 12 - 17 - 2 * 12 + 9)),
-    "Chat question": lambda: ("What are three practical tips for staying focused while studying? Keep it short.", ""),
+    "Needle in ~2K tokens of Austen (retrieval)": lambda: Example(
+        needle_in_austen(), "4738291", 64, None,
+        "Retrieval at 20% of the bytes: which lanes still find the number? Its window stays in QEvict's tiers."),
+    "Two facts far apart (multi-part question)": two_facts,
+    "Long continuation (256 tokens)": continuation,
+    "A window demoted, then promoted back": promotion,
 }

@@ -23,11 +23,12 @@ Eq. 3's split (q = 0.70), no pooling.
   every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
 - **promotions / demotions** — window moves between the tiers, summed over layers (and over KV heads for
   `qevict_head`, which routes each head on its own: its tier map and scores show the head picked next to the layer).
-- **ms per token** — decode time per token of each lane *had it run alone*, estimated: the lanes share one batched
-  forward, whose shared part (embeddings, projections, MLPs: on a CPU about as fast for three rows as for one)
-  is added to the time of the lane's own cache updates and attention, timed inside that forward. Where those
-  parts cannot be timed (on a GPU) it is the shared forward's time, and says so. `bench.speed` times methods
-  truly alone.
+- **ms per token** — on the lane card, an *estimate* of each lane's decode time per token had it run alone: the
+  lanes share one batched forward, whose shared part is added to the time of the lane's own cache updates and
+  attention, timed inside that forward (on a GPU, the shared forward's time). It is not a speed measurement.
+  **Time the lanes alone** (Replay tab) measures one: each lane rebuilt on the run's prompt, its decode steps
+  timed one by one, interleaved with the other lanes' in one process — what `bench.tpot` measures — with the
+  ratio to FullKV.
 - **% same as FullKV** — share of positions where the lane produced FullKV's token; the card says where the two
   texts first differ (the differing part is underlined).
 - **budget** — the bytes a method may keep, as a share of FullKV's bytes for the whole run. On short runs some

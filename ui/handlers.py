@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import tempfile
 
 import gradio as gr
@@ -20,6 +21,8 @@ from .studio import Studio, diagnose_session, lane_names, progress_text
 from .view import RunView
 
 NO_RUN = plots.empty_figure("No run yet.")
+BOOT = secrets.token_hex(8)  # this server process: a draft saved under another one survived a restart
+MAX_DRAFT = 200_000
 CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
 
@@ -89,9 +92,12 @@ class Handlers:
 
     # -- run ------------------------------------------------------------------------------------------------------
     def pick_example(self, name):
-        if not name:
-            return gr.skip(), gr.skip()
-        return EXAMPLES[name]()
+        """(prompt, expected answer, new tokens, layer shown, what to look at) of an example."""
+        if not name or name not in EXAMPLES:
+            return (gr.skip(),) * 5
+        example = EXAMPLES[name]()
+        layer = example.layer if example.layer is not None else gr.skip()
+        return example.prompt, example.expected, example.max_new_tokens, layer, f"*{example.hint}*"
 
     def show_ablations(self, ablations: bool, *values: str):
         """The three lane menus with or without the ablations; a lane set to an ablation keeps it."""
@@ -137,6 +143,26 @@ class Handlers:
             yield (f"**Cannot run:** {err}", *CLEARED, "", gr.skip())
         finally:
             self.tabs.finish(key)
+
+    def save_draft(self, prompt, expected):
+        """What the tab has typed, kept in the browser (a restart or a reload must not lose it)."""
+        if not isinstance(prompt, str) or not isinstance(expected, str):
+            return gr.skip()
+        return {"prompt": prompt[:MAX_DRAFT], "expected": expected[:200], "boot": BOOT}
+
+    def restore_draft(self, draft, owned):
+        """On load: the tab's draft back in the form, and, when the server restarted since it was saved, a line
+        that says so and links the tab's latest run."""
+        if not isinstance(draft, dict) or not isinstance(draft.get("prompt"), str) or not draft["prompt"]:
+            return gr.skip(), gr.skip(), gr.skip()
+        expected = draft.get("expected") if isinstance(draft.get("expected"), str) else ""
+        if draft.get("boot") == BOOT:
+            return draft["prompt"], expected, gr.skip()
+        latest = [ref["id"] for ref in sessions.refs(owned)][:1]
+        link = f" Your latest run: [/?session={latest[0]}](/?session={latest[0]})." if latest else ""
+        return (draft["prompt"], expected,
+                f"**The server restarted.** Your prompt is back in the box; a run that was going on was cut off "
+                f"(its replay says *interrupted*).{link}")
 
     def record(self, ref, owned):
         """A new run's {id, token} joins this browser's list."""
@@ -186,6 +212,12 @@ class Handlers:
             return diagnose_session(self.studio, (session_id or "").strip())
         except Exception as err:  # the page says why, whatever a stored run holds
             return f"**Diagnostics failed:** {type(err).__name__}: {str(err)[:300]}"
+
+    def time_lanes(self, session_id):
+        try:
+            return self.studio.time_lanes((session_id or "").strip())
+        except (LookupError, ValueError) as err:
+            return f"**Cannot time this run:** {err}"
 
     # -- sessions -------------------------------------------------------------------------------------------------
     def list_sessions(self, owned):

@@ -13,9 +13,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from qevict_core import BudgetTooSmall, KVShape, Lane, generate_lanes, make_cache
+from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.config import BITS, SCORERS
-from qevict_core.registry import METHODS
+from qevict_core.registry import METHODS, resolve
+from qevict_core.timing import tpot_ratios
 from storage import SessionStore
 from storage.schema import parse_stored
 
@@ -197,6 +198,28 @@ class Studio:
             while len(self._loaded) > 8:
                 self._loaded.pop(next(iter(self._loaded)))
         return meta, events
+
+    def time_lanes(self, session_id: str, new_tokens: int = 33, rounds: int = 1) -> str:
+        """The stored run's lanes rebuilt on its prompt and timed alone, their decode steps interleaved in one
+        process (``qevict_core.timing``, what ``bench.tpot`` measures) -> a table of ms per token and the ratio to
+        FullKV (or to the first lane when there is no FullKV lane)."""
+        meta, _ = self.load(session_id)
+        request = meta["request"]
+        req = RunRequest(meta["prompt"], tuple(resolve(lane["method"])[0] for lane in request["lanes"]),
+                         QEvictConfig.from_dict(request["config"]), Sampling(max_new_tokens=new_tokens))
+        input_ids, lanes, _ = self.prepare(req)
+        names = [lane.name for lane in lanes]
+        baseline = "fullkv" if "fullkv" in names else names[0]
+        device = next(self.model.parameters()).device
+        # Runs on the model's one worker (Gradio's "gpu" queue), never beside a generation.
+        timed = tpot_ratios(self.model, input_ids.to(device),
+                            lambda: {lane.name: lane.cache for lane in self.prepare(req)[1]}, baseline,
+                            new_tokens, rounds)
+        rows = [f"| {name} | {1000 * t['tpot']:.1f} | {t['ratio']:.3f} |" for name, t in timed.items()]
+        return (f"Each lane alone on this run's prompt ({input_ids.shape[1]:,} tokens): {new_tokens - 1} decode steps "
+                f"of every lane, interleaved in one process, as `bench.tpot` measures (× {baseline}: the ratio "
+                "within the run; on a busy machine the times move, the ratios much less).\n\n"
+                f"| lane | ms per token, alone | × {baseline} |\n|---|---|---|\n" + "\n".join(rows))
 
     def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:
         """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""

@@ -19,6 +19,15 @@ CSS = """
 .qe-key {padding:0 4px; margin-right:2px; white-space:nowrap}
 .qe-moves ul {margin:4px 0 0 18px; font-size:13px}
 #status {min-height:4em}
+/* A phone (390 px): wide tables scroll inside their own box instead of squeezing words to a few letters or
+   clipping columns; the page itself never scrolls sideways. */
+#methods table, #glossary table {display:block; overflow-x:auto; max-width:100%}
+#methods td, #methods th {min-width:7em; overflow-wrap:normal; word-break:normal}
+#sessions-table, #stats, #replay-stats {max-width:100%; overflow-x:auto}
+@media (max-width: 600px) {
+  #methods td:nth-child(2) {min-width:14em}
+  .qe-lane {min-width:0; flex-basis:100%}
+}
 #qe-notice {position:fixed; bottom:16px; left:50%; transform:translateX(-50%); z-index:1000; max-width:90vw;
             background:#111827; color:#fff; padding:8px 12px; border-radius:8px; font-size:14px; display:none}
 """
