@@ -6,6 +6,7 @@
     out = model.generate(input_ids, cache=cache, max_new_tokens=..., do_sample=False)
 """
 
+from . import moved
 from .budget import BudgetTooSmall, KVShape, TierPlan, plan_tiers
 from .cache import QEvictCache
 from .cache_base import ReportingCache
@@ -14,6 +15,8 @@ from .events import DoneEvent, MemoryEvent, RoutingEvent, TokenEvent, event_from
 from .generate import Lane, Sampling, generate_lanes
 from .models import DEFAULT_MODEL, ModelNotFoundError, load_model
 from .registry import list_methods, make_cache
+
+moved.install()
 
 __all__ = [
     "BudgetTooSmall", "DEFAULT_MODEL", "DoneEvent", "KVShape", "Lane", "MemoryEvent", "ModelNotFoundError",

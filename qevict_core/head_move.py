@@ -25,6 +25,7 @@ from .assemble import assemble
 from .layout import window_positions
 from .ledger import WindowLedger
 from .rope import unrotate
+from .routing import decide
 
 
 def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torch.Tensor], rank: torch.Tensor,
@@ -45,16 +46,9 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     kf = [min(head.allotted[0], n if promotion else n - q) for head, n, q in zip(heads, sizes, n_quant)]
     kq = [min(head.allotted[1], n - k) for head, n, k in zip(heads, sizes, kf)]
 
-    # Decisions, as route_windows takes them row by row: the full tier is the top K_f of the eligible ranks; with
-    # promotion the quantized tier is the next K_q of the same stable ranking, else the top K_q of what is left.
+    # The decision of per-layer routing (routing.decide), one row per head over the ranking allot already sorted.
     slot = torch.arange(c)
-    place = torch.empty_like(ranked).scatter_(1, ranked, slot.expand(h, c))  # each candidate's place in ranked
-    kf_t = torch.tensor(kf).unsqueeze(1)
-    full = place < kf_t
-    if promotion:
-        quant = (place >= kf_t) & (place < kf_t + torch.tensor(kq).unsqueeze(1))
-    else:
-        quant = _top(rank.masked_fill(full, torch.finfo(rank.dtype).min), kq)
+    full, quant = decide(rank, None, torch.tensor(kf).unsqueeze(1), torch.tensor(kq).unsqueeze(1), order=ranked)
 
     # Every candidate's record in the layer's join [each head's quantized | each head's dormant | fresh] (-1: none),
     # tier (0 quantized, 1 full, 2 aged) and, for a full or aged one, where it starts in the flat workspace.
@@ -131,13 +125,6 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
         owner.events.extend(head._event(o, aged) for head, o in zip(heads, old))
     owner.scorer.carry(layer.scores)  # the stacked table: every head's row at once
     owner.note_bytes(layer.layer_idx)
-
-
-def _top(rank: torch.Tensor, k: list[int]) -> torch.Tensor:
-    """rank (H, C) -> (H, C) bool: the first k[h] of row h in a stable descending sort."""
-    order = rank.sort(dim=1, descending=True, stable=True).indices
-    taken = torch.arange(rank.shape[1]) < torch.tensor(k).unsqueeze(1)
-    return torch.zeros_like(taken).scatter_(1, order, taken)
 
 
 def _tokens(starts: torch.Tensor, omega: int) -> torch.Tensor:

@@ -13,22 +13,22 @@ from .budget import BudgetTooSmall, KVShape, plan_tiers
 from .cache import QEvictCache
 from .cache_base import ReportingCache
 from .config import QEvictConfig
-from .eviction import EvictionCache
+from .baselines.eviction import EvictionCache
 from .fullkv import FullKVCache
 from .head_cache import HeadwiseQEvictCache
-from .kivi import KIVICache
-from .kvquant import KVQuantCache
+from .baselines.kivi import KIVICache
+from .baselines.kvquant import KVQuantCache
 from .padded import RowCache
-from .policies.adakv import AdaKV
-from .policies.base import Policy
-from .policies.criticalkv import CriticalKV
-from .policies.defensivekv import DefensiveKV
-from .policies.h2o import H2O
-from .policies.layer_defensivekv import LayerDefensiveKV
-from .policies.snapkv import SnapKV
-from .policies.streamingllm import StreamingLLM
+from .baselines.policies.adakv import AdaKV
+from .baselines.policies.base import Policy
+from .baselines.policies.criticalkv import CriticalKV
+from .baselines.policies.defensivekv import DefensiveKV
+from .baselines.policies.h2o import H2O
+from .baselines.policies.layer_defensivekv import LayerDefensiveKV
+from .baselines.policies.snapkv import SnapKV
+from .baselines.policies.streamingllm import StreamingLLM
 from .scorers import make_scorer
-from .zipcache import ZipCacheCache
+from .baselines.zipcache import ZipCacheCache
 
 
 @dataclass(frozen=True)

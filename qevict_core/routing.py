@@ -32,15 +32,34 @@ def route_windows(rank: torch.Tensor, window_ids: torch.Tensor, num_quantized: i
     if not promotion:
         eligible[:, :num_quantized] = False
     kf = min(k_full, c if promotion else c - num_quantized)
-    full = _top(rank, eligible, kf)
-    remaining = torch.ones_like(eligible).scatter(1, full, False)
-    quant = _top(rank, remaining, min(k_quant, c - kf))
-    return RoutingDecision(_by_id(full, window_ids), _by_id(quant, window_ids), c)
+    full, quant = decide(rank, eligible, torch.full((b, 1), kf), torch.full((b, 1), min(k_quant, c - kf)))
+    return RoutingDecision(_by_id(_picked(full), window_ids), _by_id(_picked(quant), window_ids), c)
 
 
-def _top(rank: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    masked = torch.where(allowed, rank, torch.finfo(rank.dtype).min)
-    return masked.sort(dim=1, descending=True, stable=True).indices[:, :k]
+def decide(rank: torch.Tensor, eligible: torch.Tensor | None, k_full: torch.Tensor, k_quant: torch.Tensor,
+           order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing decision, for a layer's batch rows or a layer's KV heads alike: rank (R, C); eligible (R, C)
+    the candidates that may enter the full tier (None: all); k_full, k_quant (R, 1) per row. -> (full, quant) (R, C)
+    bool: the first K_f of the eligible candidates in a stable descending sort of their ranks, then the first K_q
+    of the others. ``order``: that sort, when the caller already has it (per-head allocation does)."""
+    lowest = torch.finfo(rank.dtype).min
+    if order is None:
+        order = (rank if eligible is None else torch.where(eligible, rank, lowest)).sort(
+            dim=1, descending=True, stable=True).indices
+    full = _first(order, k_full)
+    quant = _first(rank.masked_fill(full, lowest).sort(dim=1, descending=True, stable=True).indices, k_quant)
+    return full, quant
+
+
+def _first(order: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """order (R, C) a permutation per row -> (R, C) bool: the candidates in row r's first k[r] places."""
+    taken = torch.arange(order.shape[1], device=order.device) < k.to(order.device)
+    return torch.zeros_like(taken).scatter_(1, order, taken)
+
+
+def _picked(mask: torch.Tensor) -> torch.Tensor:
+    """(R, C) bool with the same count per row -> (R, k) candidate indices in candidate order."""
+    return mask.nonzero()[:, 1].view(mask.shape[0], -1)
 
 
 def _by_id(picked: torch.Tensor, window_ids: torch.Tensor) -> torch.Tensor:

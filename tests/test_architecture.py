@@ -51,19 +51,19 @@ def test_file_names_are_unique_across_the_packages():
 
 
 def test_every_policy_file_is_a_registered_method():
-    """A new eviction policy is one file in qevict_core/policies/ plus its registry line; this test (and
+    """A new eviction policy is one file in qevict_core/baselines/policies/ plus its registry line; this test (and
     test_baselines, which runs every registered eviction method at its budget) picks it up."""
     import importlib
     import inspect
 
-    from qevict_core.policies.base import Policy
+    from qevict_core.baselines.policies.base import Policy
     from qevict_core.registry import METHODS
 
     registered = {spec.policy for spec in METHODS.values() if spec.policy is not None}
-    for path in sorted((ROOT / "qevict_core" / "policies").glob("*.py")):
+    for path in sorted((ROOT / "qevict_core" / "baselines" / "policies").glob("*.py")):
         if path.stem in ("__init__", "base"):
             continue
-        module = importlib.import_module(f"qevict_core.policies.{path.stem}")
+        module = importlib.import_module(f"qevict_core.baselines.policies.{path.stem}")
         policies = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
                     if issubclass(cls, Policy) and cls is not Policy and cls.__module__ == module.__name__]
         assert policies, f"{path.name} defines no Policy"
@@ -80,7 +80,7 @@ def test_the_readmes_policy_example_runs_at_its_budget():
     import torch
 
     from qevict_core import QEvictConfig
-    from qevict_core.policies.base import Policy, ScoreInputs
+    from qevict_core.baselines.policies.base import Policy, ScoreInputs
     from qevict_core.registry import _policy_spec
     from tests.conftest import random_prompt, tiny_model
 
@@ -100,3 +100,28 @@ def test_the_readmes_policy_example_runs_at_its_budget():
     report = cache.memory_report()
     assert name == "recent" and out.shape[1] == 232
     assert report["total_bytes"] <= report["budget_bytes"] < report["fullkv_bytes"]
+
+
+def test_a_moved_module_says_where_it_went():
+    import importlib
+
+    for old, new in (("qevict_core.kivi", "qevict_core.baselines.kivi"),
+                     ("qevict_core.policies", "qevict_core.baselines.policies"),
+                     ("qevict_core.fast_path", "qevict_core.backends.triton_path")):
+        with pytest.raises(ModuleNotFoundError, match=f"{old} moved: import it from {new}"):
+            importlib.import_module(old)
+    with pytest.raises(ModuleNotFoundError, match="qevict_core.policies moved"):
+        importlib.import_module("qevict_core.policies.snapkv")  # its package says so first
+    importlib.import_module("qevict_core.baselines.policies.snapkv")
+
+
+def test_no_file_over_400_lines_and_no_studio_function_over_80():
+    long_files = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(ROOT.glob("*/**/*.py")) if "tests" not in p.parts
+                  and ".venv" not in p.parts and (n := p.read_text().count("\n")) > 400]
+    assert not long_files, long_files
+    long_functions = []
+    for path in sorted((ROOT / "ui").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long_functions, long_functions

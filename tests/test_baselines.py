@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.policies.base import ScoreInputs
-from qevict_core.policies.defensivekv import DefensiveKV
+from qevict_core.baselines.policies.base import ScoreInputs
+from qevict_core.baselines.policies.defensivekv import DefensiveKV
 from qevict_core.registry import METHODS
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes

@@ -108,7 +108,7 @@ def test_needle_tiers_finds_the_answer_and_counts_a_tier_per_layer_window(capsys
 
 
 def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
-    from qevict_core.eviction import EvictionLayer
+    from qevict_core.baselines.eviction import EvictionLayer
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")

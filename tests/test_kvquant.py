@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qevict_core import make_cache
-from qevict_core.kvquant import KVQuantCache, _nearest, fit_levels
+from qevict_core.baselines.kvquant import KVQuantCache, _nearest, fit_levels
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 

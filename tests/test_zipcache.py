@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qevict_core import make_cache
-from qevict_core.zipcache import ZipCacheCache
+from qevict_core.baselines.zipcache import ZipCacheCache
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 

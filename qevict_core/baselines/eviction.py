@@ -3,7 +3,7 @@
 Each KV head keeps its own chronological list of tokens, ``keys[h]: (B, n_h, D)``. Uniform policies keep the same
 count per head (attention runs on the stacked (B, H, N, D) tensors); per-head-budget policies (AdaKV, DefensiveKV)
 keep different counts, and their memory is really freed per head (attention then runs head by head). A policy
-(``qevict_core.policies``) ranks tokens; this layer does the top-k, the gathers and the byte budget.
+(``qevict_core.baselines.policies``) ranks tokens; this layer does the top-k, the gathers and the byte budget.
 
 Budget: every method gets the same ``budget_bytes``. ``capacity`` = tokens per head that fit it, counting K/V and
 any accumulated score. Prefill-only policies pick ``capacity - reserve`` tokens after the prompt and keep
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import sdpa_with_positions, use_qevict_attention
-from .budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
-from .cache_base import ReportingCache, ReportingLayer
-from .config import QEvictConfig
+from ..attention import sdpa_with_positions, use_qevict_attention
+from ..budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
+from ..cache_base import ReportingCache, ReportingLayer
+from ..config import QEvictConfig
 from .policies.base import Policy, ScoreInputs
-from .scoring import attention_probs, kv_head_mass
+from ..scoring import attention_probs, kv_head_mass
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Eviction baselines, one file each, all on :class:`~qevict_core.policies.base.Policy`; the registry
-(``qevict_core/registry.py``) names each. ``from qevict_core.policies import SnapKV`` finds a policy in its own
+"""Eviction baselines, one file each, all on :class:`~qevict_core.baselines.policies.base.Policy`; the registry
+(``qevict_core/registry.py``) names each. ``from qevict_core.baselines.policies import SnapKV`` finds a policy in its own
 module, so a new policy needs no line here."""
 
 import importlib

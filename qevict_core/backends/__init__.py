@@ -1,7 +1,7 @@
 """Who reads the low-bit tier at a decode step: an object chosen once, when a cache is built.
 
 ``torch`` rebuilds the tier in full precision every step (``assemble``) and attends over the whole sequence;
-``cpu`` (the C kernel, ``cpu_path``) and ``triton`` (``fast_path``) read the packed codes in place, so ``update``
+``cpu`` (the C kernel, ``cpu_path``) and ``triton`` (``triton_path``) read the packed codes in place, so ``update``
 hands attention only the full-precision keys. Code asks a backend what it can do (``reads_tier_in_place``,
 ``steps_heads_in_one_pass``) and lets it run the step; it never compares names.
 """
@@ -47,7 +47,7 @@ class TritonBackend(Backend):
     reads_tier_in_place = True
 
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
-        from . import fast_path
+        from . import triton_path as fast_path
 
         merged, lse = fast_path.attend(layer, query, key, value, scaling)
         out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns

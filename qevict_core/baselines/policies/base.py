@@ -1,7 +1,7 @@
 """The base of every eviction baseline: a policy scores tokens, the base picks the top-k per head.
 
 Subclasses implement ``score`` (higher = keep) and declare what they need as class attributes; the cache
-(``qevict_core.eviction``) never asks which policy it runs, only what it declares:
+(``qevict_core.baselines.eviction``) never asks which policy it runs, only what it declares:
 
 - ``compress_at``: "prefill" (once, after the prompt; decoded tokens then roll) or "step" (after every forward)
 - ``scores_from``: "window" (attention of the last ``window`` prompt queries), "all" (attention of every query,
