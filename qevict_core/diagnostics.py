@@ -2,14 +2,17 @@
 
 A policy's decisions come from its own routing events (``RoutingEvent`` dicts: what it kept at each event); the
 attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place that attention
-exists. Routing is shared by a layer's heads; FMM is computed per layer and head as Appendix I.1 defines it, the
-window scores (Eq. 12, for tier mass, QSA and the oracle) on the mean over query heads, as the policy ranks.
+exists. Routing is shared by a layer's heads; FMM and tier mass are computed per layer and head as Appendix I.1
+defines them (Eq. 12 per head), then averaged. QSA and the oracle compare with the policy's own ranking, which is
+per layer (Eq. 1 averages the query heads), so their reference scores are the mean over query heads: the policy
+records no per-head scores to compare head by head.
 
 - Future Missed Mass (Eq. 13): per head, future FullKV attention (next H queries) on positions a policy has made
   inaccessible, over the attention on all positions that existed at the event; then averaged over heads.
 - Selection Churn (Eq. 14): Jaccard distance between the historical sets retained after consecutive events (full
   and quantized windows, whatever their age; only the protected recent region is excluded, as the paper notes).
-- Tier mass μ(z) (Eq. 15): share of FullKV cumulative scores held by each tier.
+- Tier mass μ(z) (Eq. 15): per head, the share of FullKV cumulative scores over the windows (the sinks are no
+  window) held by each tier, local being the recent region; then averaged over heads.
 - QSA and R_Q (Eq. 16-17): agreement of the policy's own scores for its quantized windows with FullKV's, on the
   cumulative scores and on the decode-interval mass alone (cumulative scores share the prompt's mass, which
   makes QSA close to 1 whatever happens while decoding).
@@ -143,24 +146,32 @@ def selection_churn(events: list[dict], sinks: int, omega: int) -> list[float]:
 
 def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
               num_windows: int) -> dict[str, float]:
-    """Mean over events of each tier's share of the FullKV cumulative scores (recent + sinks = local)."""
+    """Eq. 15 as the paper states it: per query head, each tier's share of the FullKV cumulative scores (Eq. 12,
+    that head's attention) summed over the windows W_t, the windows after the sink prefix; ``local`` is the
+    protected recent region's windows; the sinks are no window and count nowhere. Averaged over heads, then over
+    events."""
     shares = {"full": [], "quantized": [], "evicted": [], "local": []}
+    per_head_prefill = trace.prefill_heads if trace.prefill_heads is not None else trace.prefill_mass[None]
     for event in events:
         seen = event["seen"]
-        mass = trace.prefill_mass.clone()
+        mass = per_head_prefill.clone()  # (H, T)
         if seen > prompt_len:
-            mass += trace.decode[:seen - prompt_len].sum(0)
-        mass = mass[:seen]
-        total = mass.sum().item()
-        if total <= 0:
+            decoded = trace.heads[:, :seen - prompt_len].sum(1)  # (H, T)
+            mass = mass + (decoded if mass.shape[0] == decoded.shape[0] else decoded.mean(0, keepdim=True))
+        windows = mass[:, sinks:seen]  # (H, positions of W_t)
+        total = windows.sum(1)  # (H,)
+        valid = total > 0
+        if not valid.any():
             continue
-        full = {sinks + w * omega + i for w in event["full"] for i in range(omega)}
-        quant = {sinks + w * omega + i for w in event["quantized"] for i in range(omega)}
-        local = set(range(min(sinks, seen))) | set(range(event["recent_start"], seen))
-        tiers = {"full": full, "quantized": quant, "local": local}
-        for name, positions in tiers.items():
-            shares[name].append(mass[[p for p in positions if p < seen]].sum().item() / total if positions else 0.0)
-        shares["evicted"].append(1 - sum(shares[n][-1] for n in tiers))
+        offset = torch.arange(sinks, seen)
+        window_of = (offset - sinks) // omega
+        full = torch.isin(window_of, torch.tensor(event["full"], dtype=torch.long))
+        quant = torch.isin(window_of, torch.tensor(event["quantized"], dtype=torch.long)) & ~full
+        local = offset >= event["recent_start"]
+        full, quant = full & ~local, quant & ~local
+        tiers = {"full": full, "quantized": quant, "local": local, "evicted": ~(full | quant | local)}
+        for name, where in tiers.items():
+            shares[name].append((windows[:, where].sum(1)[valid] / total[valid]).mean().item())
     return {name: sum(v) / len(v) if v else 0.0 for name, v in shares.items()}
 
 

@@ -65,9 +65,9 @@ def test_churn_tier_mass_and_score_agreement():
     events = [event(22, 18, full=[2], quantized=[0, 1]), event(26, 22, full=[2], quantized=[0, 3])]
     assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 4)]  # {0,1,2} vs {0,2,3}
     mass = dg.tier_mass(trace, events[:1], PROMPT, SINKS, OMEGA, num_windows=7)
-    # At 22 tokens: 18 prompt rows + 4 decode rows of mass 1. Window 2 holds 4 + 4*0.5, windows 0-1 hold 8,
-    # the sinks and the recent region 2 + 4*0.5, the evicted window 3 holds 4.
-    assert mass == pytest.approx({"full": 6 / 22, "quantized": 8 / 22, "local": 4 / 22, "evicted": 4 / 22})
+    # At 22 tokens: 18 prompt rows + 4 decode rows of mass 1. Over the windows (positions 2-21; the sinks' 2 are no
+    # window): window 2 holds 4 + 4*0.5, windows 0-1 hold 8, the recent region 4*0.5, the evicted window 3 holds 4.
+    assert mass == pytest.approx({"full": 6 / 20, "quantized": 8 / 20, "local": 2 / 20, "evicted": 4 / 20})
     reference = dg.reference_scores(trace, PROMPT, 22, SINKS, OMEGA, 7)
     own = {0: float(reference[0]) * 2, 1: float(reference[1]) * 2}  # proportional: cosine 1, mass ratio 2
     qsa, r_q = dg.quantized_score_agreement(trace, [event(22, 18, [2], [0, 1], own)], PROMPT, SINKS, OMEGA, 7)
@@ -119,3 +119,18 @@ def test_a_run_routed_per_kv_head_is_scored_against_each_heads_own_query_group()
     swapped = [{**per_head[0], "head": 1}, {**per_head[1], "head": 0}]
     assert dg.diagnose([trace], {0: swapped}, PROMPT, SINKS, OMEGA, num_windows=7, k_full=1,
                        horizon=4)["fmm"] == pytest.approx(1.0)
+
+
+def test_tier_mass_is_per_head_then_averaged_and_leaves_the_sinks_out():
+    """Two heads: one attends only to window 0 (quantized), the other only to the sinks and window 1 (evicted).
+    Eq. 15 per head: head 0 puts all its window mass on the quantized tier, head 1 all of it on the evicted one;
+    the sinks' mass counts nowhere. The mean over heads gives 1/2 each (the mean over heads of the attention,
+    weighting head 1's window mass by a half, would give 2/3 and 1/3)."""
+    total, decode = 30, 4
+    heads = torch.zeros(2, decode, total)
+    heads[0, :, 2:6] = 0.25  # window 0
+    heads[1, :, 0:2] = 0.25  # the sinks
+    heads[1, :, 6:10] = 0.125  # window 1
+    trace = dg.LayerTrace(heads=heads, prefill_mass=torch.zeros(total), prefill_heads=torch.zeros(2, total))
+    mass = dg.tier_mass(trace, [event(22, 18, full=[], quantized=[0])], PROMPT, SINKS, OMEGA, num_windows=7)
+    assert mass == pytest.approx({"full": 0.0, "quantized": 0.5, "local": 0.0, "evicted": 0.5})

@@ -44,7 +44,8 @@ Eq. 3's split (q = 0.70), no pooling.
   and under FullKV. Near 1 means low bits still rank windows like full precision.
 - **R_Q** — total score of the low-bit windows under low-bit attention over the same under FullKV (below 1: the
   low-bit copies draw less attention).
-- **μ full / low-bit / evicted** — share of FullKV's cumulative attention held by windows in each tier.
+- **μ full / low-bit / evicted** — share of FullKV's cumulative attention over the windows (the sinks are no
+  window) held by each tier, per head, then averaged over heads (Eq. 15); the rest is the recent region's.
 - **LIR** — Global Lost-Importance Return: of the episodes in which a window stayed out of the full tier for at
   least 3 routing events, the share that came back later. High means decisions are often revised.
 """
