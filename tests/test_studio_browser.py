@@ -247,3 +247,55 @@ def test_stop_keeps_a_queued_run_from_starting_and_a_closed_tab_stops_its_run(st
     status = queued.locator("#status").inner_text()
     assert "before it started: nothing was run" in status
     assert sessions_listed(queued) == []
+
+
+def test_a_heavy_import_is_refused_fast_a_failing_diagnosis_says_why_and_lanes_can_be_timed(studio, browser, tmp_path):
+    from storage import SessionStore, make_engine
+
+    first = browser.new_context()
+    page = open_page(browser, studio["url"], context=first)
+    page.fill("#prompt textarea", "A question about lanterns and harbors. " * 12)
+    set_number(page, "max-new", 8)
+    page.click("#generate")
+    link = share_link(page)
+    assert "Done." in wait_done(page)
+    good_id = link.split("session=")[1]
+    store = SessionStore(make_engine(studio["database_url"]))
+    doc = store.export(good_id)
+
+    # A window id far past the session's own tokens: refused at the door, with the reason, nothing stored; a
+    # second visitor's share link opens meanwhile as fast as ever.
+    heavy = json.loads(json.dumps(doc))
+    next(e for e in heavy["events"] if e["kind"] == "routing")["scores"]["299999"] = 0.5
+    path = tmp_path / "heavy.json"
+    path.write_text(json.dumps(heavy))
+    other = open_page(browser, "about:blank", context=browser.new_context())
+    page.click("button[role=tab]:has-text('Sessions')")
+    page.set_input_files("#import-file input[type=file]", str(path))
+    other.goto(link)
+    wait_text(other, "#replay-status", "step 7 of 7", 30_000)
+    wait_text(page, "#manage-status", "Import refused", 30_000)
+    assert "names window 299999" in page.locator("#manage-status").inner_text()
+
+    # A run this model cannot redo (another model's token ids) is diagnosed in words, on its own page.
+    alien = json.loads(json.dumps(doc))
+    for e in alien["events"]:
+        if e["kind"] == "token":
+            e["token_id"] = 9_999_999
+    path = tmp_path / "alien.json"
+    path.write_text(json.dumps(alien))
+    page.reload()  # the file box holds the refused file: a fresh page has an empty one
+    page.click("button[role=tab]:has-text('Sessions')")
+    page.set_input_files("#import-file input[type=file]", str(path))
+    wait_text(page, "#manage-status", "Imported as", 30_000)
+    alien_id = re.search(r"Imported as ([\w-]{22})", page.locator("#manage-status").inner_text()).group(1)
+    replay = open_page(browser, f"{studio['url']}/?session={alien_id}", context=first)
+    wait_text(replay, "#replay-status", "imported", 30_000)
+    replay.click("#replay-diagnose")
+    wait_text(replay, "#replay-diagnostics", "outside this model's vocabulary", 60_000)
+
+    # Time the lanes alone: every lane of the run, measured interleaved, with its ratio to FullKV.
+    other.click("#replay-time")
+    wait_text(other, "#replay-timing", "× fullkv", 120_000)
+    timing = other.locator("#replay-timing").inner_text()
+    assert all(lane in timing for lane in ("fullkv", "snapkv", "qevict"))
