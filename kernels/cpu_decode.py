@@ -1,7 +1,7 @@
 """Decode attention over the packed low-bit tier on the CPU, in C, with the codes read in place.
 
 The PyTorch path rebuilds the whole quantized tier in full precision before every decode step (unpack, rescale,
-re-rotate: a profile put ~150 ms of a 4K-token SmolLM2 step there, on one thread). ``quant_decode.c`` does the
+re-rotate: most of a long-context step, by profile). ``quant_decode.c`` does the
 same arithmetic one key at a time inside the dot products, so the tier is read once and nothing is materialised.
 It is compiled on first use (about a second) with the system C compiler (``$CC``, else ``cc``) into a cache keyed by
 the source, the flags and the CPU's features (``$QEVICT_CACHE_DIR/kernels``, else ``~/.cache/qevict/kernels``);

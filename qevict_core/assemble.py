@@ -1,10 +1,9 @@
 """What attention sees on the PyTorch path: keys and values laid out [quantized | sinks | full | recent].
 
 Between two routing events the quantized tier and its positions do not change, but nothing full-precision of it
-may persist (it would be bytes outside the budget), so every step rebuilds it. A profile of 16 decode steps on
-SmolLM2 (4K-token prompt, 20% budget, 1 thread) put 40% of QEvict's step in that rebuild: ``>>`` and ``&`` to
-unpack codes, ``cos``/``sin`` of every quantized position in every layer, ``mul``/``add``/``neg``/``cat`` to
-rescale and rotate, and a ``cat`` of all tiers. ``assemble`` does the same arithmetic in fewer passes:
+may persist (it would be bytes outside the budget), so every step rebuilds it, and a profile found that rebuild a
+large share of the PyTorch path's step: ``>>`` and ``&`` to unpack codes, ``cos``/``sin`` of every quantized
+position in every layer, ``mul``/``add``/``neg``/``cat`` to rescale and rotate, and a ``cat`` of all tiers. ``assemble`` does the same arithmetic in fewer passes:
 
 - codes are unpacked by one table lookup per byte (``quant.dequantize_packed``);
 - cos/sin come from rows of a table the cache builds once per forward for all layers (``QEvictCache.rope_rows``),
