@@ -89,3 +89,27 @@ def _best(samples: dict, budget, length, exclude: str, higher: bool = True) -> s
     if not means:
         return None
     return (max if higher else min)(means, key=means.get)
+
+
+def ruler_versus(rows: list[dict], a: str, b: str) -> str:
+    """``a`` minus ``b`` at each budget and length, and pooled over the 5% and 10% budgets, string_match_all × 100
+    paired over (task, sample)."""
+    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    lengths = sorted({r["length"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["method"] == a and r["budget"] is not None})
+    lines = [f"| budget | " + " | ".join(f"{a} − {b} {n // 1024}K" for n in lengths) + " |",
+             "|" + "---|" * (len(lengths) + 1)]
+    pooled_a, pooled_b = [], []
+    for budget in budgets:
+        cells = []
+        for length in lengths:
+            mine, theirs = samples.get((a, budget, length), {}), samples.get((b, budget, length), {})
+            x, y = shared(mine, theirs)
+            cells.append(_cell(paired(x, y), 100, 1, "higher") if x else "—")
+            if budget in (0.05, 0.1):
+                pooled_a, pooled_b = pooled_a + x, pooled_b + y
+        lines.append(f"| {budget:.0%} | " + " | ".join(cells) + " |")
+    if pooled_a:
+        lines.append(f"| 5% and 10%, every length | {_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
+                     + " |" * (len(lengths) - 1))
+    return "\n".join(lines) + "\n"

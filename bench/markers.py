@@ -1,7 +1,8 @@
 """Tables in the docs, written from committed JSONL between markers, never by hand.
 
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
-replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot`` or ``choice``) rendered from the rows
+replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``choice``, or
+``versus=A,B``: method A minus method B, paired) rendered from the rows
 under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
 render. FOLDER may name several folders joined by ``+`` (their rows are read together).
 """
@@ -16,7 +17,7 @@ from .common import RESULTS, read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "bench/README.md", "docs/engine.md", "docs/baselines.md", "docs/library.md",
              "docs/studio.md")
-MARKER = re.compile(r"(<!-- bench\.report (\w+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
+MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 
 
 def render(kind: str, folders: str, results: Path = RESULTS) -> str:
@@ -27,6 +28,11 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
     missing = [str(p) for p in paths if not p.is_dir()]
     if missing:
         raise ValueError(f"no results folder {missing} for a {kind} table")
+    if kind.startswith("versus="):  # versus=A,B: A minus B, paired
+        from .compare import ruler_versus
+
+        a, b = kind.split("=", 1)[1].split(",")
+        return ruler_versus(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))), a, b)
     if kind == "ruler":
         return ruler_text(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))))[0]
     if kind == "fidelity":
@@ -40,7 +46,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
-    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, choice")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, choice, versus=A,B")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:
