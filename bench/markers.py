@@ -1,7 +1,7 @@
 """Tables in the docs, written from committed JSONL between markers, never by hand.
 
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
-replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``choice``, or
+replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``conditions``, ``choice``, or
 ``versus=A,B``: method A minus method B, paired) rendered from the rows
 under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
 render. FOLDER may name several folders joined by ``+`` (their rows are read together).
@@ -42,11 +42,17 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         rows = read_jsonl(sorted(f for p in paths for f in p.glob("tpot-*.jsonl")))
         return tpot_table(rows, rows[0])
+    if kind == "conditions":
+        import json
+
+        from .conditions import table_text
+
+        return table_text(json.loads((paths[0] / "diagnostics.json").read_text()))
     if kind == "choice":
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
-    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, choice, versus=A,B")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:
