@@ -113,3 +113,15 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
         lines.append(f"| 5% and 10%, every length | {_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
                      + " |" * (len(lengths) - 1))
     return "\n".join(lines) + "\n"
+
+
+def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
+    """Mean next-token KL of ``a`` minus ``b`` at each budget, paired over passages (lower is better)."""
+    passages = _by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
+    budgets = sorted({budget for (m, budget) in passages if m == a and budget is not None})
+    lines = [f"| budget | KL {a} | KL {b} | {a} − {b} |", "|---|---|---|---|"]
+    for budget in budgets:
+        x, y = shared(passages.get((a, budget), {}), passages.get((b, budget), {}))
+        if x:
+            lines.append(f"| {budget:.0%} | {mean(x):.4f} | {mean(y):.4f} | {_cell(paired(x, y), 1, 4, 'lower')} |")
+    return "\n".join(lines) + "\n"

@@ -2,7 +2,7 @@
 
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
 replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``conditions``, ``choice``, or
-``versus=A,B``: method A minus method B, paired) rendered from the rows
+``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired) rendered from the rows
 under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
 render. FOLDER may name several folders joined by ``+`` (their rows are read together).
 """
@@ -33,6 +33,11 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         a, b = kind.split("=", 1)[1].split(",")
         return ruler_versus(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))), a, b)
+    if kind.startswith("kl_versus="):  # kl_versus=A,B: A's fidelity minus B's, paired over passages
+        from .compare import fidelity_versus
+
+        a, b = kind.split("=", 1)[1].split(",")
+        return fidelity_versus(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))), a, b)
     if kind == "ruler":
         return ruler_text(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))))[0]
     if kind == "fidelity":
@@ -52,7 +57,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
-    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B, kl_versus=A,B")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:
