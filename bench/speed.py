@@ -44,6 +44,7 @@ import torch
 
 from qevict_core import BudgetTooSmall
 from qevict_core.backends import choose
+from qevict_core.timing import sync
 from qevict_core.prefill import prefill
 
 from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
@@ -122,11 +123,6 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:

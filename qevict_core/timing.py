@@ -16,7 +16,8 @@ import torch
 from .prefill import prefill
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device, so a wall-clock time covers the work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -33,11 +34,11 @@ def interleaved_steps(model, prompt: torch.Tensor, caches: dict[str, object], ne
         order = list(caches)
         for step in range(new_tokens - 1):
             for name in order[step % len(order):] + order[:step % len(order)]:
-                _sync(device)
+                sync(device)
                 began = time.perf_counter()
                 logits = model(tokens[name], cache=caches[name], logits_to_keep=1).logits
                 tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
-                _sync(device)
+                sync(device)
                 steps[name].append((time.perf_counter() - began, caches[name].routed()))
     return steps
 

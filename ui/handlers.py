@@ -11,7 +11,7 @@ import tempfile
 import gradio as gr
 
 from qevict_core.registry import METHODS, RETIRED, resolve
-from storage.schema import max_import_bytes
+from storage.schema import MAX_PROMPT_CHARS, max_import_bytes
 
 from . import cards, plots, sessions
 from .control import TabRuns
@@ -22,7 +22,6 @@ from .view import RunView
 
 NO_RUN = plots.empty_figure("No run yet.")
 BOOT = secrets.token_hex(8)  # this server process: a draft saved under another one survived a restart
-MAX_DRAFT = 200_000
 CLEARED = ("", {"headers": ["measure"], "data": []}, NO_RUN, NO_RUN, NO_RUN, "", "")
 
 
@@ -106,8 +105,8 @@ class Handlers:
 
     def shown_lane_menu(self, *methods: str):
         """The routing picker of the Run tab: the lanes of the chosen methods that route, the first selected."""
-        names = [n for n, m in zip(lane_names(tuple(m for m in methods if m and m != NO_LANE)),
-                                   [m for m in methods if m and m != NO_LANE]) if routes(m)]
+        chosen = tuple(m for m in methods if m and m != NO_LANE)
+        names = [name for name, method in zip(lane_names(chosen), chosen) if routes(method)]
         return gr.update(choices=names, value=names[0] if names else None)
 
     def arm(self, request: gr.Request):
@@ -148,7 +147,7 @@ class Handlers:
         """What the tab has typed, kept in the browser (a restart or a reload must not lose it)."""
         if not isinstance(prompt, str) or not isinstance(expected, str):
             return gr.skip()
-        return {"prompt": prompt[:MAX_DRAFT], "expected": expected[:200], "boot": BOOT}
+        return {"prompt": prompt[:MAX_PROMPT_CHARS], "expected": expected[:200], "boot": BOOT}
 
     def restore_draft(self, draft, owned):
         """On load: the tab's draft back in the form, and, when the server restarted since it was saved, a line
