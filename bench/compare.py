@@ -115,6 +115,30 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ruler_headline(rows: list[dict], method: str) -> str:
+    """The headline of ``method``: at each budget and length its mean score, and its paired difference with FullKV
+    and with the best budgeted baseline there, string_match_all × 100 over (task, sample)."""
+    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    lengths = sorted({r["length"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["method"] == method and r["budget"] is not None})
+    lines = ["| budget | length | " + method + " | FullKV | − FullKV | best baseline | − best baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for budget in budgets:
+        for length in lengths:
+            mine = samples.get((method, budget, length), {})
+            full = samples.get(("fullkv", None, length), {})
+            best = _best(samples, budget, length, exclude=method)
+            if not mine or not full or best is None:
+                continue
+            theirs = samples[(best, budget, length)]
+            vs_full = paired(*shared(mine, full)) if set(mine) & set(full) else None
+            vs_best = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
+            lines.append(f"| {budget:.0%} | {length // 1024}K | {100 * mean(mine.values()):.1f} | "
+                         f"{100 * mean(full.values()):.1f} | {_cell(vs_full, 100, 1, 'higher')} | "
+                         f"{best} {100 * mean(theirs.values()):.1f} | {_cell(vs_best, 100, 1, 'higher')} |")
+    return "\n".join(lines) + "\n"
+
+
 def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
     """Mean next-token KL of ``a`` minus ``b`` at each budget, paired over passages (lower is better)."""
     passages = _by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))

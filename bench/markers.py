@@ -2,7 +2,8 @@
 
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
 replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``conditions``, ``choice``, or
-``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired) rendered from the rows
+``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M
+against FullKV and the best baseline at each budget and length) rendered from the rows
 under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
 render. FOLDER may name several folders joined by ``+`` (their rows are read together).
 """
@@ -15,8 +16,8 @@ from pathlib import Path
 from .common import RESULTS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "bench/README.md", "docs/engine.md", "docs/baselines.md", "docs/library.md",
-             "docs/studio.md")
+DOCUMENTS = ("README.md", "bench/README.md", "bench/ruler.md", "bench/fidelity.md", "docs/engine.md",
+             "docs/baselines.md", "docs/library.md", "docs/studio.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 
 
@@ -33,6 +34,11 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         a, b = kind.split("=", 1)[1].split(",")
         return ruler_versus(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))), a, b)
+    if kind.startswith("headline="):  # headline=M: M's score, minus FullKV and minus the best baseline, per cell
+        from .compare import ruler_headline
+
+        return ruler_headline(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))),
+                              kind.split("=", 1)[1])
     if kind.startswith("kl_versus="):  # kl_versus=A,B: A's fidelity minus B's, paired over passages
         from .compare import fidelity_versus
 
@@ -57,7 +63,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
-    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B, kl_versus=A,B")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B, kl_versus=A,B, "
+                     "headline=M")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:
