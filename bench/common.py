@@ -22,7 +22,7 @@ class Variant:
     ``method`` is a registered method (``qevict_core.list_methods(ablations=True)``); ``+field=value`` changes a
     ``QEvictConfig`` field for this lane, the value read as JSON (``qevict+bits=4+scale_dtype=float16``); ``@path``
     forces the low-bit tier's attention path (``@torch``, ``@cpu``, ``@triton``); ``/N`` reads the prompt in chunks of
-    N tokens (``qevict_core.prefill``). A registered method may fix a field (``r1`` fixes Ω = 1): a lane that asks
+    N tokens (``qevict_core.generation.prefill``). A registered method may fix a field (``r1`` fixes Ω = 1): a lane that asks
     otherwise is refused rather than silently measuring something else."""
 
     spec: str

@@ -8,7 +8,7 @@
 Each passage of a natural text (Austen, ``--spacing`` sentences apart) is prefilled, then its next ``steps`` tokens
 are fed one at a time through every cache. At each step: KL(FullKV || method) of the next-token distributions, whether the top-1 tokens agree, and the
 log-probability of the true next token (perplexity). Continuous and sensitive at every budget. All lanes run as
-rows of one batched forward (qevict_core.shared_prefill), each row attending only to its own cache.
+rows of one batched forward (qevict_core.generation.lanes_forward), each row attending only to its own cache.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from qevict_core import make_cache
-from qevict_core.prefill import check_chunk
-from qevict_core.prefill import prefill as read_prompt
-from qevict_core.shared_prefill import forward_lanes
+from qevict_core.generation.prefill import check_chunk
+from qevict_core.generation.prefill import prefill as read_prompt
+from qevict_core.generation.lanes_forward import forward_lanes
 
 from . import report
 from .common import RESULTS, Variant, add_model_args, append_jsonl, method_lanes, read_jsonl, setup
@@ -50,7 +50,7 @@ def passage_tokens(tokenizer, count: int, offsets: list[int], tiny: bool) -> dic
 def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, float | None]],
             curves: bool = False) -> list[dict]:
     """One row per lane; ``curves`` adds each step's KL and top-1 agreement (``kl_steps``, ``top1_steps``).
-    A lane named ``method/N`` reads the prompt alone in chunks of N tokens (``qevict_core.prefill``); the others
+    A lane named ``method/N`` reads the prompt alone in chunks of N tokens (``qevict_core.generation.prefill``); the others
     share one prefill with the FullKV reference."""
     steps = tokens.shape[1] - prefill
     variants = [Variant.parse(spec) for spec, _ in lanes]

@@ -14,10 +14,10 @@ import torch
 from transformers import DynamicCache
 
 from qevict_core import load_model
-from qevict_core.layout import window_positions
-from qevict_core.ledger import WindowLedger
-from qevict_core.quant import unpack
-from qevict_core.rope import Rope
+from qevict_core.engine.layout import window_positions
+from qevict_core.engine.ledger import WindowLedger
+from qevict_core.engine.quant import unpack
+from qevict_core.engine.rope import Rope
 from qevict_core.testing import tiny_model
 
 PARAMS = ("k_scale", "k_zero", "v_scale", "v_zero")

@@ -15,7 +15,7 @@ import zlib
 from collections import Counter
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes
-from qevict_core.cache import QEvictCache
+from qevict_core.engine.cache import QEvictCache
 
 from .common import add_model_args, default_device, setup
 from .ruler import sized_sample

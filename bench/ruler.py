@@ -6,7 +6,7 @@
 
 One JSON line per (method, budget, task, length, sample): score, measured KV ratio, prefill/decode time. Done cells
 are skipped, so an interrupted sweep resumes. ``--shard i/n`` (or RANK/WORLD_SIZE under torchrun / accelerate
-launch) takes every n-th sample. For one sample all lanes share one prefill forward (qevict_core.shared_prefill)
+launch) takes every n-th sample. For one sample all lanes share one prefill forward (qevict_core.generation.lanes_forward)
 and decode in lockstep; timings are therefore not per-method speed measurements (bench/speed.py makes those). A
 lane stops once its output holds every answer: later tokens cannot change ``string_match_all``.
 """

@@ -10,7 +10,7 @@ measured in the same process.
 
 ``method@path`` runs a method with ``QEvictConfig(kernels=path)`` (auto, triton, cpu, torch); a bare name runs
 ``auto``, which is what users get (on CPU: the C kernel when a compiler builds it). ``method/N`` reads the prompt
-in chunks of N tokens (``qevict_core.prefill``); ratios are always against ``fullkv``, which reads it whole.
+in chunks of N tokens (``qevict_core.generation.prefill``); ratios are always against ``fullkv``, which reads it whole.
 
 Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
 are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
@@ -45,7 +45,7 @@ import torch
 from qevict_core import BudgetTooSmall
 from qevict_core.backends import choose
 from qevict_core.timing import sync
-from qevict_core.prefill import prefill
+from qevict_core.generation.prefill import prefill
 
 from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
 
@@ -60,7 +60,7 @@ def load(model_name: str | None, device: str | None, threads: int | None):
     if model_name and model_name.startswith("random:"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from qevict_core.attention import use_qevict_attention
+        from qevict_core.engine.attention import use_qevict_attention
 
         if threads:
             torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """Triton helpers that read one tile of the write-once ledger: packed codes -> dequantized, re-rotated keys and
-dequantized values, in registers. Layout (see qevict_core.ledger.WindowLedger), per (batch, kv head), contiguous:
+dequantized values, in registers. Layout (see qevict_core.engine.ledger.WindowLedger), per (batch, kv head), contiguous:
 codes (T, D / C) uint8 with C = 8 // BITS codes per byte (code c of a row in byte c % (D / C) at bit BITS * (c // (D / C)));
 key scale/zero
 (n_windows, D); value scale/zero (T,); window ids (n_windows,) int32; token t belongs to window t // OMEGA at

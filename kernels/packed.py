@@ -2,7 +2,7 @@
 (the engine's ``WindowLedger`` is one), so ``kernels`` never imports the engine.
 
 Layout per (batch, KV head): window ``i`` holds tokens ``sinks + ids[i]·Ω + (0..Ω-1)``; codes are packed in bit
-planes (``qevict_core.quant``); keys are stored before RoPE and re-rotated at their positions."""
+planes (``qevict_core.engine.quant``); keys are stored before RoPE and re-rotated at their positions."""
 
 from __future__ import annotations
 

@@ -7,12 +7,12 @@
 """
 
 from . import moved
-from .budget import BudgetTooSmall, KVShape, TierPlan, plan_tiers
-from .cache import QEvictCache
-from .cache_base import ReportingCache
 from .config import QEvictConfig
+from .engine.budget import BudgetTooSmall, KVShape, TierPlan, plan_tiers
+from .engine.cache import QEvictCache
+from .engine.cache_base import ReportingCache
 from .events import DoneEvent, MemoryEvent, RoutingEvent, TokenEvent, event_from_dict
-from .generate import Lane, Sampling, generate_lanes
+from .generation.generate import Lane, Sampling, generate_lanes
 from .models import DEFAULT_MODEL, ModelNotFoundError, load_model
 from .registry import list_methods, make_cache
 

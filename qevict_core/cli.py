@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import BITS, POOL_DIRECTIONS, SCALE_DTYPES, SCORERS, QEvictConfig
 from .events import DoneEvent, TokenEvent
-from .generate import Lane, Sampling, generate_lanes
+from .generation.generate import Lane, Sampling, generate_lanes
 from .registry import list_methods, make_cache
 
 DEFAULTS = QEvictConfig()

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-SCORERS = ("cumulative", "decay", "pnorm", "keynorm")
+from .engine.scorers import SCORERS as SCORER_CLASSES
+
+SCORERS = tuple(SCORER_CLASSES)  # every file in engine/scorers/ with a named Scorer
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
@@ -143,9 +145,10 @@ class QEvictConfig:
             raise ValueError(f"scorer must be one of {SCORERS} (got {self.scorer!r})")
         if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 0:
             raise ValueError(f"pool must be an integer number of windows >= 0, 0 = no pooling (got {self.pool!r})")
-        if self.pool and self.scorer == "keynorm":
-            raise ValueError(f"pool needs an attention scorer (cumulative, decay or pnorm), not keynorm, whose "
-                             f"scores are not attention masses (got pool={self.pool!r})")
+        if self.pool and not SCORER_CLASSES[self.scorer].needs_attention:
+            pooled = tuple(name for name, cls in SCORER_CLASSES.items() if cls.needs_attention)
+            raise ValueError(f"pool needs an attention scorer {pooled}, not {self.scorer}, whose scores are not "
+                             f"attention masses (got pool={self.pool!r})")
         if (isinstance(self.pool_weight, bool) or not isinstance(self.pool_weight, (int, float))
                 or not 0.0 < self.pool_weight <= 1.0):
             raise ValueError(f"pool_weight must be a fraction in (0, 1], what a neighbour's score counts for in "

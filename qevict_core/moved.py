@@ -14,6 +14,17 @@ MOVED = {
     "qevict_core.policies": "qevict_core.baselines.policies",
     "qevict_core.cpu_path": "qevict_core.backends.cpu_path",
     "qevict_core.fast_path": "qevict_core.backends.triton_path (the backend object: qevict_core.backends.choose)",
+    **{f"qevict_core.{name}": f"qevict_core.engine.{name}" for name in (
+        "cache", "cache_base", "qevict_layer", "head_cache", "head_move", "head_step", "budget", "ledger", "routing",
+        "quant", "layout", "rope", "assemble", "attention")},
+    "qevict_core.staging": "qevict_core.engine.prompt_stage",
+    "qevict_core.scoring": "qevict_core.engine.key_mass",
+    "qevict_core.scorers": "qevict_core.engine.scorers",
+    "qevict_core.generate": "qevict_core.generation.generate",
+    "qevict_core.prefill": "qevict_core.generation.prefill",
+    "qevict_core.shared_prefill": "qevict_core.generation.lanes_forward",
+    "qevict_core.padded": "qevict_core.generation.padded",
+    "qevict_core.fullkv": "qevict_core.baselines.fullkv",
 }
 
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .budget import BudgetTooSmall, KVShape, plan_tiers
-from .cache import QEvictCache
-from .cache_base import ReportingCache
+from .engine.budget import BudgetTooSmall, KVShape, plan_tiers
+from .engine.cache import QEvictCache
+from .engine.cache_base import ReportingCache
 from .config import QEvictConfig
 from .baselines.eviction import EvictionCache
-from .fullkv import FullKVCache
-from .head_cache import HeadwiseQEvictCache
+from .baselines.fullkv import FullKVCache
+from .engine.head_cache import HeadwiseQEvictCache
 from .baselines.kivi import KIVICache
 from .baselines.kvquant import KVQuantCache
-from .padded import RowCache
+from .generation.padded import RowCache
 from .baselines.policies.adakv import AdaKV
 from .baselines.policies.base import Policy
 from .baselines.policies.criticalkv import CriticalKV
@@ -27,7 +27,7 @@ from .baselines.policies.h2o import H2O
 from .baselines.policies.layer_defensivekv import LayerDefensiveKV
 from .baselines.policies.snapkv import SnapKV
 from .baselines.policies.streamingllm import StreamingLLM
-from .scorers import make_scorer
+from .engine.scorers import SCORERS, make_scorer
 from .baselines.zipcache import ZipCacheCache
 
 
@@ -129,7 +129,7 @@ METHODS: dict[str, MethodSpec] = {
     "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
                               "its query group's attention blended with the layer's (β = 0.5), every head at the "
                               "layer's capacities.", "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); "
-                              "qevict_core/head_cache.py", "qevict", "ablation", fixed=HEADWISE),
+                              "qevict_core/engine/head_cache.py", "qevict", "ablation", fixed=HEADWISE),
     "qevict_nopromo": MethodSpec(_qevict("qevict_nopromo", same_capacity=True),
                                  "QEvict one-way ablation: Full -> Quantized -> Evicted, no promotion, at QEvict's "
                                  "tier capacities.", "arXiv 2608.05326, App. K", "qevict", "ablation",
@@ -137,9 +137,9 @@ METHODS: dict[str, MethodSpec] = {
     **{f"qevict_{scorer}": MethodSpec(_qevict(f"qevict_{scorer}", same_capacity=True),
                                       f"QEvict scorer ablation: windows ranked by the {scorer} score (Appendix J) "
                                       "at QEvict's tier capacities.", "arXiv 2608.05326, App. J/K", "qevict",
-                                      "ablation", fixed=dict(scorer=scorer, **({"pool": 0} if scorer == "keynorm"
-                                                                               else {})))
-       for scorer in ("decay", "pnorm", "keynorm")},
+                                      "ablation", fixed=dict(scorer=scorer, **({} if cls.needs_attention
+                                                                               else {"pool": 0})))
+       for scorer, cls in SCORERS.items() if scorer != QEvictConfig().scorer},
     **{f"qevict_omega{omega}": MethodSpec(_qevict(f"qevict_omega{omega}", same_capacity=True),
                                           f"QEvict window-size ablation: Ω = {omega} (windows and routing interval) "
                                           "at QEvict's tier capacities in tokens.", "arXiv 2608.05326, App. K",

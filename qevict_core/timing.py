@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .prefill import prefill
+from .generation.prefill import prefill
 
 
 def sync(device: torch.device) -> None:

@@ -4,10 +4,10 @@ same keys and values at every step, so the same tokens."""
 import pytest
 import torch
 
-import qevict_core.qevict_layer as cache_module
+import qevict_core.engine.qevict_layer as cache_module
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from qevict_core.assemble import assemble, assemble_reference
-from qevict_core.layout import window_positions
+from qevict_core.engine.assemble import assemble, assemble_reference
+from qevict_core.engine.layout import window_positions
 from tests.conftest import random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 

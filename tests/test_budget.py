@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
-from qevict_core.budget import quant_window_bytes
-from qevict_core.ledger import WindowLedger
+from qevict_core.engine.budget import quant_window_bytes
+from qevict_core.engine.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 

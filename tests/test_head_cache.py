@@ -8,8 +8,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from qevict_core.attention import qevict_attention
-from qevict_core.head_cache import HeadwiseQEvictCache, split_capacity
+from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.head_cache import HeadwiseQEvictCache, split_capacity
 from qevict_core.registry import METHODS
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes
@@ -155,7 +155,7 @@ def test_batches_are_refused_with_the_way_to_run_them():
 
 def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
     """β = 1: heads that see different attention still rank alike, split capacity evenly and route as one layer."""
-    from qevict_core.head_cache import HeadwiseQEvictCache
+    from qevict_core.engine.head_cache import HeadwiseQEvictCache
 
     model = tiny_model("qwen2", 2)
     prompt, new = random_prompt(300), 40
@@ -174,8 +174,8 @@ def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
 
 def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
     """(tokens, logits, cache) of qevict_head decoding head by head, then with every head in one pass per layer."""
-    from qevict_core import head_step
-    from qevict_core.head_cache import HeadwiseLayer
+    from qevict_core.engine import head_step
+    from qevict_core.engine.head_cache import HeadwiseLayer
 
     one_pass = HeadwiseLayer._one_pass
     calls = []
@@ -230,7 +230,7 @@ def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, fa
     """At every routing event of a decode on the CPU kernel, the heads are first moved one by one, their new state
     kept, the layer put back as it was, and then moved at once: the tiers must be equal bit for bit (dormant slots
     flagged invalid hold no record, so only valid ones are compared), and so must the move counts and events."""
-    from qevict_core import head_move
+    from qevict_core.engine import head_move
 
     move_heads, checked = head_move.move_heads, []
 

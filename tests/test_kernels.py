@@ -11,7 +11,7 @@ from kernels.merge import fp_attention_with_lse, merge_attention
 from kernels.quant_attention import quant_attention, quant_attention_reference
 from kernels.window_mass import fp_mass, mass_reference, quant_mass, quant_mass_reference
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.ledger import WindowLedger
+from qevict_core.engine.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model
 
 SINKS = 5

@@ -5,7 +5,7 @@ import time
 from statistics import median
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from qevict_core.generate import lane_seconds
+from qevict_core.generation.generate import lane_seconds
 from tests.conftest import random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 

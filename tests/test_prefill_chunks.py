@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from qevict_core.prefill import chunk_sizes, prefill
-from qevict_core.rope import Rope
-from qevict_core.staging import BLOCK
+from qevict_core.generation.prefill import chunk_sizes, prefill
+from qevict_core.engine.rope import Rope
+from qevict_core.engine.prompt_stage import BLOCK
 from tests.conftest import random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 from tests.test_equivalence import _Tok

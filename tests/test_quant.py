@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from qevict_core.budget import KVShape, quant_window_bytes
-from qevict_core.ledger import WindowLedger
-from qevict_core.quant import dequantize, pack, quantize, unpack
-from qevict_core.rope import Rope
+from qevict_core.engine.budget import KVShape, quant_window_bytes
+from qevict_core.engine.ledger import WindowLedger
+from qevict_core.engine.quant import dequantize, pack, quantize, unpack
+from qevict_core.engine.rope import Rope
 from tests.conftest import tiny_model
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.attention import qevict_attention
-from qevict_core.layout import window_positions
+from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.layout import window_positions
 from tests.conftest import random_prompt, tiny_model
 
 D, OMEGA, SINKS, RECENT = 16, 8, 4, 8

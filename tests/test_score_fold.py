@@ -10,8 +10,8 @@ import torch
 from transformers import AttentionInterface
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.attention import qevict_attention
-from qevict_core.scoring import kv_head_mass
+from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.key_mass import kv_head_mass
 from tests.conftest import random_prompt, tiny_model
 
 RECORDER = "qevict_replay_recorder"

@@ -94,7 +94,7 @@ def test_a_padded_batch_is_refused_not_attended_to(method):
 def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
     """Hand-built table: windows 2 and 6 peak; with r = 1 each peak's neighbours rank just below it (above the
     lower peak too) and above every window far from a peak, whose order stays the table's."""
-    from qevict_core.scorers import make_scorer
+    from qevict_core.engine.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
     both = dict(pool_weight=1.0, pool_direction="both")
     plain = make_scorer(QEvictConfig(pool=0)).rank(table)
@@ -113,7 +113,7 @@ def test_pooling_ranks_a_window_by_its_neighbourhood_its_own_score_first():
 def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
     """The table above with γ = 0.5: a neighbour counts half its peak, so peak 6 (3.0) now ranks above the
     neighbours of peak 2 (2.4975), and a far window (4) above nothing it borrows from."""
-    from qevict_core.scorers import make_scorer
+    from qevict_core.engine.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
     weighted = make_scorer(QEvictConfig(pool=1, pool_weight=0.5, pool_direction="both")).rank(table)
     assert weighted[0].argsort(descending=True, stable=True).tolist() == [2, 6, 1, 3, 5, 7, 4, 0]
@@ -124,7 +124,7 @@ def test_pool_weight_lets_a_lower_peak_outrank_the_neighbours_of_a_higher_one():
 def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
     """pool_direction="forward": window 3 continues peak 2 and ranks just below it; window 1, before it, keeps its own
     score (as does window 5 before peak 6, while 7 after it borrows)."""
-    from qevict_core.scorers import make_scorer
+    from qevict_core.engine.scorers import make_scorer
     table = torch.tensor([[0.1, 0.0, 5.0, 0.2, 0.3, 0.0, 3.0, 0.05]])
     key = make_scorer(QEvictConfig(pool=1, pool_direction="forward", pool_weight=1.0)).rank(table)
     assert key[0, 3] == pytest.approx(5.0 * (1 - 1e-3)) and key[0, 7] == pytest.approx(3.0 * (1 - 1e-3))

@@ -92,8 +92,8 @@ def test_cli_reports_bad_budget_readably(tmp_path):
 
 
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
-    """The INT8 stage (staging.py) on the real model: the same full tier in nearly every layer, the same tokens."""
-    from qevict_core.prefill import prefill
+    """The INT8 stage (prompt_stage.py) on the real model: the same full tier in nearly every layer, the same tokens."""
+    from qevict_core.generation.prefill import prefill
 
     model, tok = smollm2
     prompt = passage_prompt(tok, 600)

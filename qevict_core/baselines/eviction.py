@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import sdpa_with_positions, use_qevict_attention
-from ..budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
-from ..cache_base import ReportingCache, ReportingLayer
+from ..engine.attention import sdpa_with_positions, use_qevict_attention
+from ..engine.budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
+from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
 from .policies.base import Policy, ScoreInputs
-from ..scoring import attention_probs, kv_head_mass
+from ..engine.key_mass import attention_probs, kv_head_mass
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import use_qevict_attention
-from ..budget import KVShape
-from ..cache_base import ReportingCache, ReportingLayer
+from ..engine.attention import use_qevict_attention
+from ..engine.budget import KVShape
+from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
-from ..quant import dequantize, pack, quantize, unpack
+from ..engine.quant import dequantize, pack, quantize, unpack
 
 
 class KIVILayer(ReportingLayer):

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import use_qevict_attention
-from ..budget import KVShape
-from ..cache_base import ReportingCache, ReportingLayer
+from ..engine.attention import use_qevict_attention
+from ..engine.budget import KVShape
+from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
-from ..quant import codes_per_byte, pack, planes_to_row
-from ..rope import Rope
+from ..engine.quant import codes_per_byte, pack, planes_to_row
+from ..engine.rope import Rope
 
 KMEANS_ITERATIONS = 25
 KMEANS_SAMPLES = 1 << 18

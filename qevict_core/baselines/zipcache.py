@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import sdpa_with_positions, use_qevict_attention
-from ..budget import KVShape
-from ..cache_base import ReportingCache, ReportingLayer
+from ..engine.attention import sdpa_with_positions, use_qevict_attention
+from ..engine.budget import KVShape
+from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
-from ..quant import dequantize_packed, pack, quantize
-from ..scoring import attend_with_mass, kv_head_mass
+from ..engine.quant import dequantize_packed, pack, quantize
+from ..engine.key_mass import attend_with_mass, kv_head_mass
 
 
 class TokenStore:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import QEvictConfig
+from ..config import QEvictConfig
 from .ledger import WindowLedger
 
 ID_BYTES = torch.empty(0, dtype=torch.int32).element_size()
@@ -96,7 +96,7 @@ class TierPlan:
 
 
 def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_table: bool = False) -> TierPlan:
-    """``interval_table``: the scorer keeps an interval's mass in a second (B, W) table (see scorers.py)."""
+    """``interval_table``: the scorer keeps an interval's mass in a second (B, W) table (see scorers/scorer_base.py)."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1 (got {max_length})")
     budget = budget_bytes_of(shape, cfg, max_length)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention import use_qevict_attention
-from .budget import KVShape
-from .cache_base import ReportingCache, ReportingLayer
-from .config import QEvictConfig
+from ..engine.attention import use_qevict_attention
+from ..engine.budget import KVShape
+from ..engine.cache_base import ReportingCache, ReportingLayer
+from ..config import QEvictConfig
 
 
 class FullKVLayer(ReportingLayer):

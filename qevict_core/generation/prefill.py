@@ -2,7 +2,7 @@
 
 A prompt read whole holds every layer's activations for all its tokens at once. Chunks bound that by the chunk
 size; the cache decides what it keeps between chunks (``ReportingCache.chunked_prefill``): FullKV keeps every
-token exactly, QEvict stages the prompt in INT8 and routes it at the last chunk (staging.py). The last chunk is a
+token exactly, QEvict stages the prompt in INT8 and routes it at the last chunk (prompt_stage.py). The last chunk is a
 whole ``chunk`` and the first takes the remainder, so the prompt's last queries (QEvict's observation window) are
 read together.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_base import ReportingCache
+from ..engine.cache_base import ReportingCache
 
 
 def chunk_sizes(length: int, chunk: int | None) -> list[int]:

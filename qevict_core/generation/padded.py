@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from .budget import KVShape
-from .cache_base import ReportingCache, ReportingLayer
+from ..engine.budget import KVShape
+from ..engine.cache_base import ReportingCache, ReportingLayer
 
 
 class RowLayer(ReportingLayer):

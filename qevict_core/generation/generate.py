@@ -15,10 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cache_base import ReportingCache
-from .events import DoneEvent, MemoryEvent, TokenEvent
+from ..engine.cache_base import ReportingCache
+from ..events import DoneEvent, MemoryEvent, TokenEvent
 from .prefill import check_chunk, prefill
-from .shared_prefill import forward_lanes
+from .lanes_forward import forward_lanes
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                    prefill_chunk: int | None = None) -> Iterator:
     """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches.
 
-    With ``together`` the lanes share each forward (``shared_prefill.forward_lanes``): one prefill for all, then
+    With ``together`` the lanes share each forward (``lanes_forward.forward_lanes``): one prefill for all, then
     one batched forward per step in which row i attends only to lane i's cache. Each lane reports that forward's
     time, so per-lane speeds are those of the shared forward; speed benchmarks run lanes alone.
 

@@ -56,7 +56,7 @@ class ReportingLayer(CacheLayerMixin):
                output: bool = True) -> torch.Tensor | None:
         """Attention over what ``update`` returned; layers that score or route override this. ``output=False``:
         the caller discards the output (a lane of a shared prompt forward whose hidden states are another lane's,
-        shared_prefill.py), so a prompt's attention output need not be computed; everything else happens."""
+        lanes_forward.py), so a prompt's attention output need not be computed; everything else happens."""
         return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
 
     def claim(self, keys: torch.Tensor) -> bool:
@@ -109,7 +109,7 @@ class ReportingCache(Cache):
         self.step = -1
         self.staging = False  # the next forwards are chunks of the prompt before its last (set by prefill.py)
         self.peak_bytes = 0
-        self.own_seconds = 0.0  # time spent in this cache's own work inside shared forwards (shared_prefill)
+        self.own_seconds = 0.0  # time spent in this cache's own work inside shared forwards (lanes_forward.py)
         self.device_type = next(model.parameters()).device.type
         self._layer_bytes = [0] * len(layers)
         self._attention_modules = _attention_modules(model, len(layers))

@@ -7,15 +7,21 @@ ranks it and ``carry`` prepares it for the next interval. Only a scorer that tra
 (``keeps_interval``, Eq. 23's power) needs that mass apart from the table until the event: a second (B, W) table,
 charged to the budget like the first. ``ranking`` turns the table into the key that routing sorts by, and ``rank``
 pools that key over neighbouring windows at every event when the config asks for it.
+
+A scorer is one file in this package: a ``Scorer`` subclass with a ``name`` (the value of ``QEvictConfig.scorer``
+that selects it); ``scorers/__init__.py`` finds it, and the config, the CLI, the studio and the registry's
+``qevict_<name>`` ablation list it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .config import QEvictConfig
+if TYPE_CHECKING:
+    from ...config import QEvictConfig
 
 
 # A neighbour ranks just below the window it borrows from, so the window itself still comes first.
@@ -24,12 +30,20 @@ POOL_TIE = 1e-3
 
 @dataclass
 class Scorer:
-    needs_attention = True
+    name: ClassVar[str] = ""  # the config's ``scorer`` value; a class without one is a base, never listed
+    needs_attention = True  # False: ranks without attention mass (so it cannot be pooled)
     keeps_interval = False
     reads_aged_keys = False  # on_aged does something: it needs the keys of windows leaving the recent region
     pool: int = 0
     pool_weight: float = 1.0
     pool_direction: str = "both"
+
+    @classmethod
+    def from_config(cls, cfg: QEvictConfig) -> Scorer:
+        """This scorer with the config's pooling (attention scorers) and its own parameters."""
+        if not cls.needs_attention:
+            return cls()
+        return cls(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction)
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
@@ -69,64 +83,3 @@ class Scorer:
         else:
             near = torch.nn.functional.max_pool1d(flat, width, stride=1, padding=self.pool).reshape(key.shape)
         return torch.maximum(key, near * (self.pool_weight * (1 - POOL_TIE)))
-
-
-@dataclass
-class CumulativeScorer(Scorer):
-    """Eq. 1 / 21: S_t = S_{t-Ω} + u_t."""
-
-
-@dataclass
-class DecayScorer(Scorer):
-    """Eq. 22: S_t = λ S_{t-Ω} + u_t. The decay is applied right after an event, so the steps that follow add to
-    λ S_{t-Ω} and the next event ranks exactly Eq. 22's value."""
-
-    decay: float = 0.99
-
-    def carry(self, table):
-        table.mul_(self.decay)
-
-
-@dataclass
-class PNormScorer(Scorer):
-    """Eq. 23: S_t = (Σ_r u_r^p)^(1/p). The table keeps Σ u^p, which sorts the same way."""
-
-    p: float = 3.0
-    keeps_interval = True
-
-    def mass_table(self, table, interval):
-        return interval
-
-    def settle(self, table, interval):
-        table.add_(interval.pow(self.p))
-        interval.zero_()
-
-    def ranking(self, table):
-        return table.pow(1.0 / self.p)
-
-
-@dataclass
-class KeyNormScorer(Scorer):
-    """Eq. 24: S(w) = -mean_i ||k_i||, attention-free; set once when the window leaves the recent region."""
-
-    needs_attention = False
-    reads_aged_keys = True
-
-    def on_aged(self, table, window_ids, keys):
-        b, h = keys.shape[:2]
-        norms = keys.float().norm(dim=-1).reshape(b, h, window_ids.shape[1], -1)  # (B, H, n, Ω)
-        per_window = -norms.mean(dim=(1, 3))  # (B, n)
-        table.scatter_(1, window_ids.long().expand(b, -1), per_window)
-
-    def mass_table(self, table, interval):
-        raise RuntimeError("keynorm needs no attention mass")
-
-
-def make_scorer(cfg: QEvictConfig) -> Scorer:
-    pooling = dict(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction)
-    return {
-        "cumulative": lambda: CumulativeScorer(**pooling),
-        "decay": lambda: DecayScorer(**pooling, decay=cfg.decay),
-        "pnorm": lambda: PNormScorer(**pooling, p=cfg.p),
-        "keynorm": lambda: KeyNormScorer(),
-    }[cfg.scorer]()

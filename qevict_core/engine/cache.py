@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from . import backends
+from .. import backends
 from .attention import use_qevict_attention
 from .budget import KVShape, plan_tiers
 from .cache_base import ReportingCache, ReportingLayer
-from .config import QEvictConfig
+from ..config import QEvictConfig
 from .qevict_layer import QEvictLayer
 from .rope import Rope
 from .scorers import make_scorer
@@ -26,7 +26,7 @@ class RoutingSchedule:
         self.routing_now = False
 
     def begin_forward(self, num_tokens: int, hold: bool = False) -> None:
-        """``hold``: a chunk of the prompt before its last, which never routes (staging.py)."""
+        """``hold``: a chunk of the prompt before its last, which never routes (prompt_stage.py)."""
         self.seen += num_tokens
         self.routing_now = not hold and (self.last_route is None or self.seen - self.last_route >= self.omega)
         if self.routing_now:

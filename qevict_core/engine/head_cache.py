@@ -43,7 +43,7 @@ from .cache import QEvictCache
 from .qevict_layer import QEvictLayer
 from . import head_move, head_step
 from .cache_base import ReportingLayer
-from .config import QEvictConfig
+from ..config import QEvictConfig
 from .ledger import WindowLedger
 
 class HeadLayer(QEvictLayer):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache
 
-from .cache_base import ReportingCache
+from ..engine.cache_base import ReportingCache
 
 
 class _FanOut:

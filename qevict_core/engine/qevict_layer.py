@@ -11,7 +11,7 @@ State of one layer, all in the (B, H, T, D) layout, sized to what is live (only 
   quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
   scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
   queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
-  stage: while a prompt is read in chunks, the part read so far as INT8 blocks (staging.py); None otherwise.
+  stage: while a prompt is read in chunks, the part read so far as INT8 blocks (prompt_stage.py); None otherwise.
 ``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
 from that tensor, so promotion costs a gather, not another dequantization.
 """
@@ -22,13 +22,13 @@ import torch
 
 from .assemble import assemble
 from .cache_base import ReportingLayer
-from .events import RoutingEvent
+from ..events import RoutingEvent
 from .layout import gather_seq, window_positions
 from .ledger import WindowLedger
 from .rope import unrotate
 from .routing import route_windows
-from .scoring import attend_with_mass, kv_head_mass
-from .staging import PromptStage
+from .key_mass import attend_with_mass, kv_head_mass
+from .prompt_stage import PromptStage
 from .attention import sdpa_with_positions
 
 
@@ -49,7 +49,7 @@ class QEvictLayer(ReportingLayer):
         self.dormant = ledger if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
         self.recent_start = owner.config.sinks
-        self.stage: PromptStage | None = None  # the prompt so far, while it is read in chunks (staging.py)
+        self.stage: PromptStage | None = None  # the prompt so far, while it is read in chunks (prompt_stage.py)
         windows = 0 if owner.plan.uncompressed else owner.plan.num_windows
         self.scores = torch.zeros(b, windows, dtype=torch.float32, device=key_states.device)
         self.interval = torch.zeros_like(self.scores) if owner.scorer.keeps_interval else None

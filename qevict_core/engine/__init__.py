@@ -1,0 +1,1 @@
+"""The QEvict engine: the three-tier cache, its budget, ledger, routing and window scoring."""
