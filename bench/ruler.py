@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,35 +26,7 @@ from qevict_core import Lane, Sampling, generate_lanes
 from . import report
 from .common import (RESULTS, Variant, add_model_args, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl,
                      setup)
-from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, build, string_match_all
-
-
-def encode(tokenizer, sample: Sample) -> torch.Tensor:
-    """Chat template with the task as the user turn; the answer prefix starts the assistant turn (as RULER)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
-    prefix = tokenizer(sample.answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
-    return torch.cat([ids, prefix], dim=1)
-
-
-def sized_sample(tokenizer, task: str, length: int, seed: int, depth: float | None, haystack: str):
-    """The sample with the largest haystack whose prompt + generated tokens fit ``length`` tokens."""
-    budget = length - TASKS[task].max_new_tokens
-    lo, hi = 1, max(2, length)
-    while lo < hi:  # largest n with a prompt that fits
-        mid = (lo + hi + 1) // 2
-        if encode(tokenizer, build(task, mid, seed, depth, haystack)).shape[1] <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    sample = build(task, lo, seed, depth, haystack)
-    ids = encode(tokenizer, sample)
-    if ids.shape[1] > budget:
-        raise ValueError(f"{task}: even the smallest haystack does not fit {length} tokens")
-    return sample, ids
+from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, sample_seed, sized_sample, string_match_all
 
 
 def decode_until_answered(model, tokenizer, ids: torch.Tensor, lanes: list[Lane], sample: Sample) -> None:
@@ -92,7 +63,7 @@ def run(args) -> None:
         todo = [(m, b) for m, b in lanes if (m, b, task, length, sample_idx) not in done]
         if not todo:
             continue
-        seed = zlib.crc32(f"{task}/{length}/{sample_idx}/{args.seed}".encode())
+        seed = sample_seed(task, length, sample_idx, args.seed)
         try:
             sample, ids = sized_sample(tokenizer, task, length, seed, args.depth, args.haystack)
         except ValueError as err:

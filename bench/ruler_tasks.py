@@ -11,9 +11,12 @@ from __future__ import annotations
 import random
 import re
 import uuid
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+import torch
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 ADJECTIVES = ("ancient bitter brave calm clever curious damp eager fancy gentle glossy grumpy hollow icy jolly "
@@ -221,3 +224,36 @@ def _frequent_words(task, spec, n, rng) -> Sample:
     top = tuple(sorted(counts, key=lambda w: (-counts[w], vocabulary.index(w)))[:3])
     context = " ".join(word if i % 8 else f".... {word}" for i, word in enumerate(words))
     return Sample(task, FWE_TEMPLATE.format(context=context), FWE_PREFIX, top, spec.max_new_tokens)
+
+
+def sample_seed(task: str, length: int, index: int, seed: int) -> int:
+    """The draw of sample ``index`` of ``task`` at ``length`` under the suite's ``seed`` (every benchmark the same)."""
+    return zlib.crc32(f"{task}/{length}/{index}/{seed}".encode())
+
+
+def encode(tokenizer, sample: Sample) -> torch.Tensor:
+    """Chat template with the task as the user turn; the answer prefix starts the assistant turn (as RULER)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
+    prefix = tokenizer(sample.answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
+    return torch.cat([ids, prefix], dim=1)
+
+
+def sized_sample(tokenizer, task: str, length: int, seed: int, depth: float | None, haystack: str):
+    """The sample with the largest haystack whose prompt + generated tokens fit ``length`` tokens."""
+    budget = length - TASKS[task].max_new_tokens
+    lo, hi = 1, max(2, length)
+    while lo < hi:  # largest n with a prompt that fits
+        mid = (lo + hi + 1) // 2
+        if encode(tokenizer, build(task, mid, seed, depth, haystack)).shape[1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    sample = build(task, lo, seed, depth, haystack)
+    ids = encode(tokenizer, sample)
+    if ids.shape[1] > budget:
+        raise ValueError(f"{task}: even the smallest haystack does not fit {length} tokens")
+    return sample, ids

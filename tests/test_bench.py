@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import conditions, drift, fidelity, needle_tiers, ruler, speed
+from bench import conditions, drift, fidelity, needle_tiers, ruler, ruler_tasks, speed
 from bench.common import Variant, parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
 from qevict_core.testing import tiny_chat_model, tiny_tokenizer
@@ -37,7 +37,7 @@ def test_string_match_all_is_rulers_metric():
 
 def test_haystack_is_sized_to_the_target_length():
     tok = tiny_tokenizer()
-    sample, ids = ruler.sized_sample(tok, "niah_single_1", 1024, seed=5, depth=0.5, haystack="austen")
+    sample, ids = ruler_tasks.sized_sample(tok, "niah_single_1", 1024, seed=5, depth=0.5, haystack="austen")
     assert 1024 - 200 < ids.shape[1] + sample.max_new_tokens <= 1024
 
 

@@ -1,0 +1,72 @@
+"""QEvict inside vLLM (qevict_vllm), in the vLLM environment: ``make test-vllm`` builds it and runs these.
+
+Each vLLM engine runs in a fresh process (tests.vllm_plugin.serve_once.py); the transformers engine runs here, on the same
+token ids, as the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds .venv-vllm and runs these")
+
+from bench.vllm_needle import engine_side  # noqa: E402
+from qevict_core import QEvictConfig, load_model  # noqa: E402
+from ui.examples import austen, needle_in_austen  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def serve(prompts: list[list[int]], max_tokens: int, settings: dict | None) -> dict:
+    job = json.dumps({"prompts": prompts, "max_tokens": max_tokens, "settings": settings})
+    done = subprocess.run([sys.executable, "-m", "tests.vllm_plugin.serve_once", job], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model()
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                   return_dict=True)["input_ids"]
+
+
+def test_a_budget_that_holds_everything_generates_what_vllm_generates(smollm2):
+    _, tok = smollm2
+    prompts = [chat_ids(tok, "What is the capital of France?"), chat_ids(tok, austen(1000, 3000) + "\nSummarise."),
+               chat_ids(tok, needle_in_austen(chars=4000))]
+    stock = serve(prompts, 40, None)
+    qevict = serve(prompts, 40, {"budget": 1.0})
+    assert qevict["tokens"] == stock["tokens"]
+    assert all(m["uncompressed"] for m in qevict["moves"])
+    # the QEvict cache holds every token itself, so vLLM got back every block but the first and the written one
+    assert all(freed >= len(ids) // 32 - 1 for freed, ids in zip(qevict["blocks_freed"], prompts))
+
+
+def test_concurrent_requests_are_each_routed_as_the_transformers_engine_routes_them_alone(smollm2):
+    """Three needle prompts of different lengths served together at 20%, Ω = 32: each request's windows in every
+    layer end where the transformers engine puts them when it runs that prompt alone, and it finds its number."""
+    model, tok = smollm2
+    needles = [("lantern", "4738291", 8200), ("harbor", "5190437", 5000), ("violet", "8812044", 6500)]
+    prompts = [chat_ids(tok, needle_in_austen(chars=chars, key=key, value=value, start=9000 * i))
+               for i, (key, value, chars) in enumerate(needles)]
+    served = serve(prompts, 24, {"budget": 0.2})
+    for i, ((key, value, _), ids) in enumerate(zip(needles, prompts)):
+        alone = engine_side(model, ids, QEvictConfig(budget=0.2, omega=32), 24, None)
+        same = sum(a == tuple(map(list, b)) or a == b for a, b in zip(alone["tiers"], served["tiers"][i]))
+        assert same == len(alone["tiers"]), f"request {i}: {same} of {len(alone['tiers'])} layers route alike"
+        assert served["moves"][i] == alone["moves"], i
+        assert value in tok.decode(served["tokens"][i]), (key, tok.decode(served["tokens"][i]))
+        assert served["tokens"][i] == alone["tokens"], i
+        assert served["blocks_freed"][i] >= len(ids) // 32 - 1
+        assert served["bytes"][i] > 0
