@@ -149,3 +149,33 @@ def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
         if x:
             lines.append(f"| {budget:.0%} | {mean(x):.4f} | {mean(y):.4f} | {_cell(paired(x, y), 1, 4, 'lower')} |")
     return "\n".join(lines) + "\n"
+
+
+def drift_paired(rows: list[dict], only: tuple[str, ...] = ()) -> str:
+    """Per lane (of the methods in ``only``, or every method): mean KL over the whole decode and the KL slope per 1K positions, each minus the best budgeted
+    baseline's (the one with the lowest mean KL at that budget), paired over passages (lower is better)."""
+    key = lambda r: (r["offset"],)  # noqa: E731 - a passage is its sentence offset
+    kl = _by_sample(rows, key, lambda r: r.get("kl"))
+    slope = _by_sample(rows, key, lambda r: r.get("kl_slope_per_1k"))
+    ratio = _by_sample(rows, key, lambda r: r.get("kv_ratio"))
+    lanes = sorted({(m, b) for (m, b) in kl if m != "fullkv" and (not only or m in only)},
+                   key=lambda m: (m[1] or 2, m[0]))
+    lines = ["| method | KV ratio | passages | mean KL | KL slope per 1K | mean KL − best baseline | slope − best baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for method, budget in lanes:
+        mine = kl[(method, budget)]
+        cells = [f"{mean(ratio[(method, budget)].values()):.3f}", str(len(mine)), f"{mean(mine.values()):.4f}", f"{mean(slope[(method, budget)].values()):+.4f}"]
+        best = _best(kl, budget, None, exclude=method, higher=False)
+        for table in (kl, slope):
+            if best is None:
+                cells.append("—")
+                continue
+            result = paired(*shared(table[(method, budget)], table[(best, budget)]))
+            cells.append(f"{_cell(result, 1, 4, 'lower')} vs {best}")
+        name = method if budget is None else f"{method} @{budget:.0%}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return ("KL(FullKV ‖ method) of the next-token distributions over the decode, teacher-forced; slope: least "
+            "squares of per-step KL against decode position, per 1,000 positions. Paired differences: mean [95% "
+            "bootstrap CI] (shared passages; verdict, lower is better). The best baseline of a budget is the "
+            "budgeted paper baseline with the lowest mean KL there; the quantization baselines run at their own operating "
+            "points, with no budget.\n\n" + "\n".join(lines) + "\n")

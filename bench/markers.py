@@ -3,7 +3,9 @@
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
 replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``conditions``, ``choice``, or
 ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M
-against FullKV and the best baseline at each budget and length) rendered from the rows
+against FullKV and the best baseline at each budget and length; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's
+rows; ``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
+or for A and B) rendered from the rows
 under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
 render. FOLDER may name several folders joined by ``+`` (their rows are read together).
 """
@@ -17,7 +19,7 @@ from .common import RESULTS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "bench/README.md", "bench/ruler.md", "bench/fidelity.md", "docs/engine.md",
-             "docs/baselines.md", "docs/library.md", "docs/studio.md")
+             "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 
 
@@ -44,6 +46,16 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         a, b = kind.split("=", 1)[1].split(",")
         return fidelity_versus(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))), a, b)
+    if kind in ("vllm_needle", "vllm_serve"):
+        from .vllm_tables import needle_table, serve_table
+
+        name, table_of = {"vllm_needle": ("needle.jsonl", needle_table), "vllm_serve": ("serve.jsonl", serve_table)}[kind]
+        return table_of(read_jsonl(sorted(f for p in paths for f in p.glob(name))))
+    if kind == "drift" or kind.startswith("drift="):
+        from .compare import drift_paired
+
+        only = tuple(kind.split("=", 1)[1].split(",")) if "=" in kind else ()
+        return drift_paired(read_jsonl(sorted(f for p in paths for f in p.glob("drift.jsonl"))), only)
     if kind == "ruler":
         return ruler_text(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))))[0]
     if kind == "fidelity":
@@ -64,7 +76,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B, kl_versus=A,B, "
-                     "headline=M")
+                     "headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:

@@ -24,3 +24,40 @@ def test_headline_pairs_only_the_samples_both_ran():
     rows = _rows("fullkv", None, [1.0] * 10) + _rows("qevict", 0.05, [0.0] * 4) + _rows("snapkv", 0.05, [0.0] * 10)
     cells = [c.strip() for c in ruler_headline(rows, "qevict").splitlines()[2].strip("|").split("|")]
     assert cells[4].startswith("-100.0 [-100.0, -100.0] (4; worse)")
+
+
+def test_the_vllm_serving_table_pairs_scores_and_adds_qevicts_bytes_to_the_blocks():
+    from bench.vllm_tables import serve_table
+
+    base = {"requests": 2, "length": 2048, "seed": 0, "vllm": "0.32.0", "commit": "abc", "cores": 2,
+            "pool_blocks": 100, "block_bytes": 2**20, "blocks_freed": 0, "qevict_peak_bytes": 0}
+    rows = [{**base, "method": "vllm", "budget": None, "scores": [1.0, 0.0], "tokens_per_second": 10.0,
+             "peak_blocks": 50},
+            {**base, "method": "qevict", "budget": 0.2, "scores": [1.0, 1.0], "tokens_per_second": 5.0,
+             "peak_blocks": 10, "qevict_peak_bytes": 5 * 2**20, "blocks_freed": 40}]
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in serve_table(rows).splitlines() if line.startswith("| vLLM")}
+    alone, qevict = lines["vLLM alone"], lines["vLLM + QEvict @20%"]
+    assert alone[1] == "50.0" and qevict[1] == "100.0"
+    assert qevict[2].startswith("+50.0 [") and "(2; " in qevict[2]
+    assert qevict[4] == "0.50"  # tokens/s against vLLM alone
+    assert qevict[6] == "15" and qevict[7] == "0.30"  # 10 blocks of 1 MiB + 5 MiB held by QEvict, over 50 MiB
+    assert qevict[8] == "40"
+
+
+def test_drift_pairs_kl_and_slope_by_passage_with_the_lowest_kl_baseline():
+    from bench.compare import drift_paired
+
+    def rows(method, budget, kls, slopes):
+        return [{"method": method, "budget": budget, "offset": 100 * i, "kl": k, "kl_slope_per_1k": s,
+                 "kv_ratio": budget or 1.0} for i, (k, s) in enumerate(zip(kls, slopes))]
+
+    table = (rows("fullkv", None, [0.0] * 3, [0.0] * 3) + rows("qevict", 0.1, [0.1, 0.2, 0.3], [0.5, 0.5, 0.5])
+             + rows("h2o", 0.1, [0.4, 0.5, 0.6], [0.1, 0.1, 0.1]) + rows("snapkv", 0.1, [0.9] * 3, [0.0] * 3))
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in drift_paired(table, only=("qevict",)).splitlines() if line.startswith("| q")}
+    assert list(lines) == ["qevict @10%"]  # only the methods asked for, never FullKV
+    cells = lines["qevict @10%"]
+    assert cells[1:4] == ["0.100", "3", "0.2000"]
+    assert cells[5] == "-0.3000 [-0.3000, -0.3000] (3; better) vs h2o"  # h2o: the lowest mean KL, not snapkv
+    assert cells[6] == "+0.4000 [+0.4000, +0.4000] (3; worse) vs h2o"  # the slope is paired with the same one

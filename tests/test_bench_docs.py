@@ -28,3 +28,11 @@ def test_an_unknown_kind_or_folder_is_refused_with_what_exists():
         render("speed", "default_dev")
     with pytest.raises(ValueError, match="no results folder"):
         render("ruler", "no_such_folder")
+
+
+@pytest.mark.parametrize("name, most", [("README.md", 150), ("bench/README.md", 400), ("docs/engine.md", 300)])
+def test_the_front_pages_stay_short(name, most):
+    """README: three short doors; bench/README: one page of current results (detail in per-benchmark pages);
+    engine.md: how the engine works (history in docs/history.md)."""
+    lines = (ROOT / name).read_text().count("\n")
+    assert lines < most, f"{name} has {lines} lines; move detail out (most {most})"

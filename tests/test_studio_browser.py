@@ -55,10 +55,11 @@ def wait_done(page, timeout=120_000):
 
 def sessions_listed(page, until=lambda ids: bool(ids)) -> list[str]:
     """Session ids (22 url-safe characters) in the Sessions tab's table, top to bottom: read until ``until`` holds
-    (the list is filled after the tab shows), or 30 s passed; then the last read."""
+    (the list is filled after the tab shows, and again when the browser's list of owned sessions changes, which
+    comes after the run on a loaded machine), or 120 s passed; then the last read."""
     page.click("button[role=tab]:has-text('Sessions')")
     page.locator("#sessions-table").wait_for(state="visible")
-    deadline = time.time() + 30
+    deadline = time.time() + 120
     while True:
         ids = re.findall(r"(?<![\w-])[\w-]{22}(?![\w-])", page.locator("#sessions-table").inner_text())
         if until(ids) or time.time() > deadline:

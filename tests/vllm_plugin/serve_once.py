@@ -2,7 +2,8 @@
 generation of every prompt together; prints a JSON line with each request's tokens, and with QEvict on, its
 windows per layer and what vLLM got back.
 
-    python -m tests.vllm_plugin.serve_once '{"prompts": [[1, 2, ...]], "max_tokens": 32, "settings": {"budget": 0.2}}'
+    python -m tests.vllm_plugin.serve_once '{"prompts": [[1, 2, ...]], "max_tokens": 32, "settings": {"budget": 0.2},
+                                           "llm": {"max_num_batched_tokens": 512}}'
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main() -> None:
     settings = job.get("settings")
     options = qevict_vllm.options(**settings) if settings is not None else {"block_size": 32,
                                                                              "enable_prefix_caching": False}
-    llm = LLM(model=str(converted_dir()), dtype="float32", max_model_len=4096, enforce_eager=True, **options)
+    llm = LLM(model=str(converted_dir()), dtype="float32", max_model_len=4096, enforce_eager=True, **options,
+              **job.get("llm", {}))
     if settings is not None:
         connector.ACTIVE["worker"].retain = len(job["prompts"])  # finished requests stay inspectable
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]],
