@@ -1,4 +1,4 @@
-"""The choice of QEvict's default on development data (bench/README.md, "Choosing QEvict's default"), applied to the
+"""The choice of QEvict's default on development data (bench/choice.md), applied to the
 committed rows: every candidate's retrieval R (5% and 10%, 2K and 4K), its 20% retrieval, its mean KL on the
 development passages, the fidelity gate, and its paired difference from the reference on the same prompts.
 

@@ -1,13 +1,13 @@
 """Tables in the docs, written from committed JSONL between markers, never by hand.
 
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
-replaces what lies between with the table of KIND (``ruler``, ``fidelity``, ``tpot``, ``conditions``, ``choice``, or
-``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M
-against FullKV and the best baseline at each budget and length; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's
-rows; ``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
-or for A and B) rendered from the rows
-under ``bench/results/FOLDER``, and ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh
-render. FOLDER may name several folders joined by ``+`` (their rows are read together).
+replaces what lies between with the table of KIND rendered from the rows under ``bench/results/FOLDER``:
+``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``; ``versus=A,B`` /
+``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M against FullKV
+and the best baseline at each budget and length; ``drift`` / ``drift=A,B``: KL over a long decode and its slope,
+paired against the best baseline, for every method or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM
+plugin's rows. ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may
+name several folders joined by ``+`` (their rows are read together).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 from .common import RESULTS, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "bench/README.md", "bench/ruler.md", "bench/fidelity.md", "docs/engine.md",
-             "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
+DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md",
+             "docs/engine.md", "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 
 
@@ -65,6 +65,15 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         rows = read_jsonl(sorted(f for p in paths for f in p.glob("tpot-*.jsonl")))
         return tpot_table(rows, rows[0])
+    if kind == "studio_latency":
+        from .studio_latency import table as latency_table
+
+        return latency_table(read_jsonl(sorted(f for p in paths for f in p.glob("studio_latency.jsonl"))))
+    if kind == "speed":
+        from .speed import speed_table
+
+        rows = read_jsonl(sorted(f for p in paths for f in p.glob("speed-*.jsonl")))
+        return speed_table(rows, rows[0])
     if kind == "conditions":
         import json
 
@@ -75,8 +84,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
-    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, conditions, choice, versus=A,B, kl_versus=A,B, "
-                     "headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
+                     "choice, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
 
 
 def rendered(text: str, results: Path = RESULTS) -> str:

@@ -24,8 +24,9 @@ RETIRED_FIELDS = ("pool_scope",)  # fields configs once had: a stored config tha
 @dataclass(frozen=True)
 class QEvictConfig:
     """Knobs of the three-tier cache. The defaults are QEvict's, chosen on development data by the rule in
-    bench/README.md ("Choosing QEvict's default"): 4-bit windows with float16 scales, the low-bit tier sized first
-    for 70% of the windows (coverage), forward pooling at a tenth of the score, routed per layer; ``QEvictConfig.paper()`` is the paper's configuration (Section 5, Appendix B.5).
+    bench/choice.md: 4-bit windows with float16 scales, the low-bit tier sized first for 70% of the windows
+    (coverage), forward pooling at a tenth of the score, routed per layer; ``QEvictConfig.paper()`` is the paper's
+    configuration (Section 5, Appendix B.5).
 
     budget:       fraction of the full-precision KV bytes of ``max_length`` tokens that the cache may hold.
     budget_bytes: an absolute byte budget instead of ``budget`` (takes precedence when given).

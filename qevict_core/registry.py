@@ -125,7 +125,7 @@ METHODS: dict[str, MethodSpec] = {
                                "arXiv 2608.05326, Sec. 5 and App. B.5", "qevict", fixed=PAPER),
     "qevict_int2": MethodSpec(_qevict("qevict_int2"), "QEvict's earlier default: INT2 windows with scales in the "
                               "model's dtype, Eq. 3's split, no pooling (the reference of the default's choice).",
-                              "bench/README.md, Choosing QEvict's default", "qevict", "ablation", fixed=EARLIER),
+                              "bench/choice.md", "qevict", "ablation", fixed=EARLIER),
     "qevict_head": MethodSpec(_qevict_head("qevict_head"), "QEvict routed per KV head: each head ranks windows by "
                               "its query group's attention blended with the layer's (β = 0.5), every head at the "
                               "layer's capacities.", "arXiv 2608.05326 + Feng et al. 2024 (AdaKV); "

@@ -61,3 +61,14 @@ def test_drift_pairs_kl_and_slope_by_passage_with_the_lowest_kl_baseline():
     assert cells[1:4] == ["0.100", "3", "0.2000"]
     assert cells[5] == "-0.3000 [-0.3000, -0.3000] (3; better) vs h2o"  # h2o: the lowest mean KL, not snapkv
     assert cells[6] == "+0.4000 [+0.4000, +0.4000] (3; worse) vs h2o"  # the slope is paired with the same one
+
+
+def test_the_studio_latency_table_takes_medians_and_counts_found_answers_per_lane():
+    from bench.studio_latency import table
+
+    meta = {"model": "m", "cpu": "x86_64", "threads": 2, "date": "2026-12-03", "commit": "abc"}
+    rows = [{"example": "Needle", "round": i, "max_new_tokens": 64, "first_token_s": t, "total_s": 10 * t,
+             "load_1min": load, "found": {"fullkv": True, "qevict": i == 0}, **meta}
+            for i, (t, load) in enumerate([(1.0, 0.5), (3.0, 2.5), (2.0, 0.1)])]
+    line = [c.strip() for c in table(rows).splitlines()[-1].strip("|").split("|")]
+    assert line == ["Needle", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
