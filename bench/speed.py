@@ -255,12 +255,15 @@ def main(argv=None) -> None:
             rows.append({"method": method, "budget": budget_of[method],
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
                          "repeats": args.repeats, **res, **ratios, **meta})
-    out = Path(args.out)
+        write_rows(Path(args.out), args, meta, rows)  # after each context: a run cut short keeps what it measured
+
+
+def write_rows(out: Path, args, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"speed-{meta['device'].split(':')[0]}-{(args.model or 'smollm2').replace(':', '-')}-b{args.batch}"
     (out / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / f"{stem}.md").write_text(speed_table(rows, meta))
-    print(f"wrote {out / (stem + '.md')}")
+    print(f"wrote {out / (stem + '.md')}", flush=True)
 
 
 def speed_table(rows: list[dict], meta: dict) -> str:
