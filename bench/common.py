@@ -114,7 +114,8 @@ def run_metadata(model_name: str, device: str) -> dict:
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    commit = commit or os.environ.get("QEVICT_COMMIT", "")  # a copy of the tree without .git (a lent GPU host)
+    # A copy of the tree sent to a lent GPU host may carry a .git that is not the tree's: the sender names the commit.
+    commit = os.environ.get("QEVICT_COMMIT") or commit
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
     return {"model": model_name, "device": device, "gpu": gpu, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,

@@ -118,10 +118,10 @@ def main(argv=None) -> None:
                 frac = f"{row['peak_fraction']:.0%} of peak" if row["peak_fraction"] else ""
                 print(f"b={batch:3d} keys={keys:7d} {row['impl']:13s} {1e6 * row['seconds']:9.1f} us "
                       f"{row['bandwidth'] / 1e9:8.1f} GB/s {frac}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels-{args.device.split(':')[0]}-int{args.bits}.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            out = Path(args.out)  # after each size: a run cut short keeps what it measured
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"kernels-{args.device.split(':')[0]}-int{args.bits}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {path}")
 
 

