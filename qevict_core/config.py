@@ -69,8 +69,8 @@ class QEvictConfig:
     record_events: keep per-layer routing events on the cache for ``drain_events`` (the studio and the
                   diagnostics turn it on). Off by default: the events are Python objects outside the byte budget,
                   and building them is a visible share of a routing event on a CPU decode.
-    kernels:      "auto" (Triton kernels on CUDA, the C kernel on a float32 CPU model when a C compiler builds it),
-                  "triton" (forced; on CPU under TRITON_INTERPRET=1), "cpu" (the C kernel, forced) or "torch"
+    kernels:      "auto" (the C kernel on a float32 CPU model when a C compiler builds it, else torch; on CUDA
+                  torch, measured faster than Triton on an H200), "triton" (forced; on CPU under TRITON_INTERPRET=1), "cpu" (the C kernel, forced) or "torch"
                   (the quantized tier rebuilt in full precision every step).
     k_full, k_quant: tier capacities in windows per layer, set together, instead of Eq. 3's split of the budget:
                   for ablations at equal capacity (Appendix K); the plan still refuses them if the budget cannot

@@ -57,9 +57,10 @@ class TritonBackend(Backend):
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:
-    """``QEvictConfig.kernels`` -> the backend. auto: Triton on CUDA when installed, the C kernel on the CPU in
-    float32 when a compiler builds it, else torch. triton: forced (on CPU only under TRITON_INTERPRET=1). cpu:
-    forced (CPU, float32). torch: always. A forced backend that cannot run is a ValueError saying why."""
+    """``QEvictConfig.kernels`` -> the backend. auto: the C kernel on the CPU in float32 when a compiler builds
+    it, else torch (on CUDA too: on an H200 the Triton path decoded slower than torch's, bench/README.md's GPU
+    section). triton: forced (on CPU only under TRITON_INTERPRET=1). cpu: forced (CPU, float32). torch: always. A
+    forced backend that cannot run is a ValueError saying why."""
     if setting == "torch":
         return TorchBackend()
     if setting == "cpu" or (setting == "auto" and device.type == "cpu"):
@@ -69,20 +70,16 @@ def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:
         if setting == "cpu":
             raise ValueError(f"kernels='cpu' cannot run: {why} (kernels='torch' always can)")
         return TorchBackend()
-    try:
+    if setting == "auto":
+        return TorchBackend()
+    try:  # triton, forced
         import triton  # noqa: F401
     except ImportError as err:
-        if setting == "triton":
-            raise ValueError("kernels='triton' needs the triton package (pip install triton)") from err
-        return TorchBackend()
-    if device.type == "cuda":
-        return TritonBackend()
-    if setting == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("kernels='triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                             "starting Python (or use kernels='torch')")
-        return TritonBackend()
-    return TorchBackend()
+        raise ValueError("kernels='triton' needs the triton package (pip install triton)") from err
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernels='triton' on CPU runs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                         "starting Python (or use kernels='torch')")
+    return TritonBackend()
 
 
 def _cpu_kernel_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
