@@ -24,16 +24,14 @@ KEY, VALUE, NEW_TOKENS = "lantern", "4738291", 48
 
 
 def demoted_then_promoted(view, lane: str) -> tuple[int, int, int, int] | None:
-    """(layer, window, step demoted, step promoted) of the first window demoted during decoding, then promoted."""
+    """(layer, window, step demoted, step promoted) of the first round trip of the lowest layer that has one: a
+    window demoted during decoding, then promoted back (what the studio's moves list names)."""
+    from ui.cards import round_trips
+
     for layer, events in sorted(view.routing[lane].items()):
-        demoted_at = {}
-        for event in events:
-            if event["step"] > 0:
-                for w in event["promoted"]:
-                    if w in demoted_at:
-                        return layer, w, demoted_at[w], event["step"]
-                for w in event["demoted"]:
-                    demoted_at.setdefault(w, event["step"])
+        trips = round_trips(events)
+        if trips:
+            return (layer, *min(trips, key=lambda trip: trip[2]))
     return None
 
 

@@ -1,12 +1,15 @@
 """How long a studio visitor waits: the time to the first generated token and to the end of a run, for every
 example at the studio's defaults, through the same handlers the example picker and the Generate button call
-(Gradio's transport excluded).
+(Gradio's transport excluded), or with ``--browser`` in Debian's chromium against the studio served on this
+machine (what a visitor sees: from the click on Generate to the first "Generating" status, and to "Done").
 
     python -m bench.studio_latency --rounds 2 --threads 2 --out bench/results/studio_latency
+    python -m bench.studio_latency --browser --rounds 2 --threads 2 --out bench/results/studio_latency
 
 One JSON line per (example, round): seconds to the first "Generating" update and to "Done", the new tokens the
-example asks for, each lane's measured share of FullKV's bytes and whether it found the expected answer, and the
-machine's load average when the run started (benchmarks often share the machine: the row says how busy it was).
+example asks for, each lane's measured share of FullKV's bytes and whether it found the expected answer, the
+machine's load average when the run started (benchmarks often share the machine: the row says how busy it was),
+and ``through`` ("handlers" or "browser").
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from .common import RESULTS, add_model_args, append_jsonl, setup
@@ -34,13 +39,63 @@ def measure(handlers, prompt: str, expected: str, max_new_tokens: int) -> dict:
         if first is None and last[0].startswith("**Generating"):
             first = time.perf_counter() - start
     total = time.perf_counter() - start
+    found, kv_percent = lanes_shown(last[1], expected)
+    return {"first_token_s": first, "total_s": total, "status": last[0], "found": found, "kv_percent": kv_percent}
+
+
+def lanes_shown(cards_html: str, expected: str) -> tuple[dict, dict]:
+    """The lane cards' HTML -> (found the answer per lane, % of FullKV's bytes per lane)."""
     found, kv_percent = {}, {}
-    for block in last[1].split('<div class="qe-lane" data-lane="')[1:]:  # one lane card each
+    for block in cards_html.split('<div class="qe-lane" data-lane="')[1:]:  # one lane card each
         lane = block.split('"', 1)[0]
         found[lane] = "found the answer" in block if expected else None
         share = re.search(r"= ([0-9.]+)% of FullKV", block)
         kv_percent[lane] = float(share.group(1)) if share else None
-    return {"first_token_s": first, "total_s": total, "status": last[0], "found": found, "kv_percent": kv_percent}
+    return found, kv_percent
+
+
+def measure_in_browser(page, url: str, name: str, expected: str) -> dict:
+    """A fresh page of the studio: pick the example, click Generate, wait for the status to say so."""
+    status = "document.querySelector('#status')?.innerText ?? ''"
+    page.goto(url)
+    page.locator("#example input").click()
+    page.get_by_role("option", name=name, exact=True).click()
+    page.wait_for_function("document.querySelector('#prompt textarea').value.length > 0")
+    start = time.perf_counter()
+    page.click("#generate")
+    page.wait_for_function(f"({status}).includes('Generating')", timeout=0, polling=50)
+    first = time.perf_counter() - start
+    page.wait_for_function(f"['Done.', 'Stopped', 'Error', 'Cannot run'].some(w => ({status}).includes(w))",
+                           timeout=0, polling=50)
+    total = time.perf_counter() - start
+    found, kv_percent = lanes_shown(page.locator("#lanes").inner_html(), expected)
+    return {"first_token_s": first, "total_s": total, "status": page.locator("#status").inner_text(),
+            "found": found, "kv_percent": kv_percent}
+
+
+@contextmanager
+def studio_in_chromium(model, tokenizer, model_name: str):
+    """-> (page, url): the studio on a free local port over a throwaway SQLite file, and a chromium page."""
+    import tempfile
+
+    from playwright.sync_api import sync_playwright
+
+    import app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["GRADIO_SERVER_PORT"] = str(port)
+    with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
+        demo = app.create_demo(model, tokenizer, f"sqlite:///{folder}/latency.sqlite", model_name)
+        app.launch(demo, prevent_thread_lock=True)
+        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium",
+                                             args=["--no-sandbox", "--headless", "--disable-gpu"])
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 800}), f"http://127.0.0.1:{port}/"
+        finally:
+            browser.close()
+            demo.close()
 
 
 def main(argv=None) -> None:
@@ -48,6 +103,7 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "studio_latency"))
+    parser.add_argument("--browser", action="store_true", help="click through Debian's chromium (/usr/bin/chromium)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     from storage import SessionStore, make_engine
@@ -58,15 +114,22 @@ def main(argv=None) -> None:
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     handlers = Handlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]))
     out = Path(args.out) / "studio_latency.jsonl"
-    for round_ in range(args.rounds):
-        for name in EXAMPLES:
-            prompt, expected, max_new_tokens, *_ = handlers.pick_example(name)  # what the picker fills in
-            load = os.getloadavg()[0]
-            row = {"example": name, "round": round_, "load_1min": load, "max_new_tokens": max_new_tokens,
-                   **measure(handlers, prompt, expected, max_new_tokens), **meta}
-            append_jsonl(out, row)
-            print(f"{name[:40]:40s} first token {row['first_token_s']:.1f} s, done {row['total_s']:.1f} s, "
-                  f"load {load:.1f}, found {row['found']}", flush=True)
+    with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served:
+        for round_ in range(args.rounds):
+            for name in EXAMPLES:
+                prompt, expected, max_new_tokens, *_ = handlers.pick_example(name)  # what the picker fills in
+                load = os.getloadavg()[0]
+                timed = (measure_in_browser(*served, name, expected) if served else
+                         measure(handlers, prompt, expected, max_new_tokens))
+                row = {"example": name, "round": round_, "through": "browser" if served else "handlers",
+                       "load_1min": load, "max_new_tokens": max_new_tokens, **timed, **meta}
+                report(out, row)
+
+
+def report(out: Path, row: dict) -> None:
+    append_jsonl(out, row)
+    print(f"{row['through']:8s} {row['example'][:40]:40s} first token {row['first_token_s']:.1f} s, done "
+          f"{row['total_s']:.1f} s, load {row['load_1min']:.1f}, found {row['found']}", flush=True)
 
 
 def table(rows: list[dict]) -> str:
@@ -74,19 +137,20 @@ def table(rows: list[dict]) -> str:
     whether each lane found the answer in every round."""
     from statistics import median
 
-    lines = ["| example | new tokens | rounds | first token s | whole run s | load (1 min, max) | found the answer |",
-             "|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(r["example"] for r in rows):
-        group = [r for r in rows if r["example"] == name]
+    lines = ["| example | through | new tokens | rounds | first token s | whole run s | load (1 min, max) | "
+             "found the answer |", "|---|---|---|---|---|---|---|---|"]
+    for name, through in dict.fromkeys((r["example"], r.get("through", "handlers")) for r in rows):
+        group = [r for r in rows if r["example"] == name and r.get("through", "handlers") == through]
         lanes = dict.fromkeys(lane for r in group for lane in r["found"])
         found = ", ".join(f"{lane} {sum(bool(r['found'].get(lane)) for r in group)}/{len(group)}" for lane in lanes
                           if any(r["found"].get(lane) is not None for r in group)) or "—"
-        lines.append(f"| {name} | {group[0]['max_new_tokens']} | {len(group)} | "
+        lines.append(f"| {name} | {through} | {group[0]['max_new_tokens']} | {len(group)} | "
                      f"{median(r['first_token_s'] for r in group):.1f} | {median(r['total_s'] for r in group):.1f} | "
                      f"{max(r['load_1min'] for r in group):.1f} | {found} |")
     first = rows[0]
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
     return (f"{first['model']} on {first['cpu']} ({first['threads']} threads), {first['date']}, commit "
-            f"{first['commit']}; medians over rounds, at the studio's defaults (lanes "
+            f"{commits}; medians over rounds, at the studio's defaults (lanes "
             f"{', '.join(DEFAULT_LANES)}).\n\n" + "\n".join(lines) + "\n")
 
 

@@ -70,5 +70,9 @@ def test_the_studio_latency_table_takes_medians_and_counts_found_answers_per_lan
     rows = [{"example": "Needle", "round": i, "max_new_tokens": 64, "first_token_s": t, "total_s": 10 * t,
              "load_1min": load, "found": {"fullkv": True, "qevict": i == 0}, **meta}
             for i, (t, load) in enumerate([(1.0, 0.5), (3.0, 2.5), (2.0, 0.1)])]
-    line = [c.strip() for c in table(rows).splitlines()[-1].strip("|").split("|")]
-    assert line == ["Needle", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
+    rows.append({**rows[0], "through": "browser", "first_token_s": 9.0, "commit": "def"})  # its own row
+    lines = table(rows).splitlines()
+    assert "commit abc, def;" in lines[0]
+    handlers, browser = ([c.strip() for c in line.strip("|").split("|")] for line in lines[-2:])
+    assert handlers == ["Needle", "handlers", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
+    assert browser == ["Needle", "browser", "64", "1", "9.0", "10.0", "0.5", "fullkv 1/1, qevict 1/1"]

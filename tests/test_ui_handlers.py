@@ -314,6 +314,26 @@ def test_tier_map_codes_and_moves_follow_the_events():
     assert "layout" not in json.loads(fig.to_json())["layout"]["template"]  # template="none": small payloads
 
 
+def test_a_round_trip_stays_listed_however_many_moves_follow():
+    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+                    "sampling": {"max_new_tokens": 200}, "prompt_tokens": [str(i % 10) for i in range(60)]})
+
+    def route(step, promoted=(), demoted=()):
+        view.apply({"kind": "routing", "lane": "q", "step": step, "layer": 0, "seen": 60 + step,
+                    "recent_start": 48 + step, "full": [], "quantized": [], "promoted": list(promoted),
+                    "demoted": list(demoted), "evicted": [], "scores": {"0": 1.0}})
+
+    route(0, demoted=[5])  # the prompt's own placement: not a round trip
+    route(8, promoted=[5], demoted=[3])
+    route(16, promoted=[3])  # window 3: demoted at step 8, back at step 16
+    for step in range(24, 200, 8):  # 22 later events, two moves each: far more than the 12 latest lines
+        route(step, promoted=[7], demoted=[9])
+    assert cards.round_trips(view.layer_events("q", 0)) == [(3, 8, 16)]
+    moves = cards.moves_html(view, "q", 0)
+    assert "window 3 (tokens 14–17, “4567”) demoted at step 8, promoted back at step 16" in moves
+    assert "step 16:" not in moves  # the latest-moves list has moved on; the round trip is still named
+
+
 def test_diagnostics_of_a_stored_run(studio):
     final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=32)))[-1]
     table = diagnose_session(studio, final.session_id)

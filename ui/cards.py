@@ -126,18 +126,36 @@ def _span(tier: str, pieces: list[str]) -> str:
     return f'<span title="{TIER_WORDS[tier]}" style="background:{TIER_COLORS[tier]}33">{_esc("".join(pieces))}</span>'
 
 
+def round_trips(events: list[dict]) -> list[tuple[int, int, int]]:
+    """(window, step demoted, step promoted back) for each window that decoding demoted and later promoted: the
+    event the method exists for, kept apart so that later moves never push it out of the list."""
+    demoted_at, trips = {}, []
+    for event in events:
+        if event["step"] > 0:
+            trips += [(w, demoted_at.pop(w), event["step"]) for w in event["promoted"] if w in demoted_at]
+            demoted_at.update({w: event["step"] for w in event["demoted"]})
+    return trips
+
+
 def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit: int = 12) -> str:
-    """The latest promotions and demotions of ``layer`` (and ``head``) in words, with the text of each window."""
+    """The round trips and the latest promotions and demotions of ``layer`` (and ``head``) in words, with the text
+    of each window."""
     events = view.layer_events(lane, layer, head) if lane else []
     sinks, omega = view.sinks(lane), view.omega(lane)
+
+    def window_words(window: int) -> str:
+        first = sinks + window * omega
+        snippet = " ".join(view.token_text(lane, first, first + omega).split())[:60]
+        return f"window {window} (tokens {first}–{first + omega - 1}, “{_esc(snippet)}”)"
+
+    trips = "".join(f"<li>{window_words(w)} demoted at step {down}, promoted back at step {up}</li>"
+                    for w, down, up in round_trips(events)[:limit])
+    trips = f'Round trips (demoted, then promoted back):<ul class="qe-trips">{trips}</ul>' if trips else ""
     lines = []
     for event in reversed(events):
         for window, move in ([(w, "promoted: low-bit → full precision") for w in event["promoted"]]
                              + [(w, "demoted: full precision → low-bit") for w in event["demoted"]]):
-            first = sinks + window * omega
-            snippet = " ".join(view.token_text(lane, first, first + omega).split())[:60]
-            lines.append(f"<li>step {event['step']}: window {window} (tokens {first}–{first + omega - 1}, "
-                         f"“{_esc(snippet)}”) {move}</li>")
+            lines.append(f"<li>step {event['step']}: {window_words(window)} {move}</li>")
         if event["evicted"]:
             lines.append(f"<li>step {event['step']}: {len(event['evicted'])} window(s) evicted for good "
                          f"({', '.join(map(str, event['evicted'][:8]))}{'…' if len(event['evicted']) > 8 else ''})"
@@ -147,8 +165,8 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
     if not lines:
         return ('<div class="qe-moves">No routing moves yet in this layer: windows move at routing events, every '
                 'Ω generated tokens.</div>')
-    return (f'<div class="qe-moves"><b>{_esc(f"{lane}, {view.where(lane, layer, head)}")}: latest routing moves</b>'
-            f'<ul>{"".join(lines[:limit])}</ul></div>')
+    return (f'<div class="qe-moves"><b>{_esc(f"{lane}, {view.where(lane, layer, head)}")}: routing moves</b><br>'
+            f'{trips}Latest moves:<ul>{"".join(lines[:limit])}</ul></div>')
 
 
 MEASURES = ["tokens", "KV MiB", "% of FullKV", "full-precision tokens", "low-bit tokens", "evicted tokens",
