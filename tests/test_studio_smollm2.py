@@ -86,28 +86,41 @@ def test_every_example_shows_what_it_says_in_the_browser(smollm2_studio, browser
         assert found["window"] in promoted, promoted
 
 
-def test_the_lanes_timed_alone_agree_with_bench_tpot(smollm2):
-    """The studio's "time the lanes alone" table and bench.tpot, on the needle example's prompt (2K tokens) with the
-    default lanes' FullKV and QEvict: QEvict's time per token over FullKV's agrees within 0.15. Both interleave
-    every lane's decode steps in one process (qevict_core.timing); on this shared 2-core machine the ratio of one
-    round moves by a few hundredths between rounds, so 0.15 is well above noise and well below the difference the
-    lane cards once showed (1.11x in the studio against 0.80-0.90x in bench.tpot)."""
+@pytest.mark.browser
+def test_the_lanes_timed_alone_agree_with_bench_tpot(smollm2, smollm2_studio, browser):
+    """The studio's "Time the lanes alone" table, clicked in the browser on a replay of the needle example (2K
+    tokens, the default lanes), and bench.tpot on the same prompt: QEvict's time per token over FullKV's agrees
+    within 0.15. Both interleave every lane's decode steps in one process (qevict_core.timing); on this shared
+    2-core machine the ratio of one round moves by a few hundredths between rounds, so 0.15 is well above noise
+    and well below the difference the lane cards once showed (1.11x in the studio against 0.80-0.90x in
+    bench.tpot)."""
     from bench.tpot import decode_side_by_side
     from qevict_core import QEvictConfig
     from storage import SessionStore, make_engine
+    from tests.browser import set_number
+    from tests.test_studio_browser import share_link, wait_done, wait_text
     from ui.studio import Studio
 
-    studio = Studio(*smollm2, SessionStore(make_engine("sqlite://")))
-    example, d = EXAMPLES[next(iter(EXAMPLES))](), QEvictConfig()
+    url, _ = smollm2_studio
+    name = next(iter(EXAMPLES))
+    page = open_page(browser, url)
+    pick_example(page, name)
+    set_number(page, "max-new", 2)
+    page.click("#generate")
+    link = share_link(page)
+    assert "Done." in wait_done(page, timeout=900_000)
+    page.goto(link)
+    page.click("#replay-time")
+    wait_text(page, "#replay-timing", "× fullkv", 900_000)
+    shown = {row[0]: float(row[2]) for row in page.evaluate(
+        "[...document.querySelectorAll('#replay-timing tbody tr')].map(r => [...r.cells].map(c => c.innerText))")}
+
+    example, d = EXAMPLES[name](), QEvictConfig()
     req = parse_request(example.prompt, ["fullkv", "qevict"], d.budget, d.omega, d.q_frac, d.bits, d.sinks,
                         d.recent, d.scorer, d.promotion, 2, 0.0, 0, "", d.coverage)
-    final = list(studio.run(req))[-1]
-    table = studio.time_lanes(final.session_id, new_tokens=33)
-    shown = {line.split("|")[1].strip(): float(line.split("|")[3]) for line in table.splitlines()
-             if line.startswith("| ") and "---" not in line and "lane" not in line}
-    input_ids = studio.prepare(req)[0]
+    input_ids = Studio(*smollm2, SessionStore(make_engine("sqlite://"))).prepare(req)[0]
     steps = decode_side_by_side(smollm2[0], input_ids, [("fullkv", None), ("qevict", d.budget)], 33)
-    tpot = {name: sum(s for s, _ in st) / len(st) for name, st in steps.items()}
+    tpot = {lane: sum(s for s, _ in st) / len(st) for lane, st in steps.items()}
     measured = tpot["qevict"] / tpot["fullkv"]
-    assert shown["fullkv"] == 1.0
+    assert shown["fullkv"] == 1.0 and set(shown) == {"fullkv", "snapkv", "qevict"}
     assert abs(shown["qevict"] - measured) <= 0.15, (shown, measured)
