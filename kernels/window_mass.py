@@ -79,16 +79,18 @@ def fp_mass(query, query_pos, lse, keys, key_pos, sm_scale) -> torch.Tensor:
     return _launch(query, query_pos, lse, keys.shape[2], False, keys=keys, key_pos=key_pos, sm_scale=sm_scale)
 
 
-def mass_reference(query, query_pos, lse, keys, key_pos, sm_scale) -> torch.Tensor:
+def mass_reference(query, query_pos, lse, keys, key_pos, sm_scale, dtype=torch.float32) -> torch.Tensor:
+    """The same mass in PyTorch, the scores computed in ``dtype`` (the tests' low-precision yardstick)."""
     b, hq, nq, d = query.shape
     hkv = keys.shape[1]
-    q = query.float().reshape(b, hkv, hq // hkv, nq, d)
-    scores = torch.einsum("bhgqd,bhnd->bhgqn", q, keys.float()) * sm_scale
+    q = query.to(dtype).reshape(b, hkv, hq // hkv, nq, d)  # (B, Hkv, G, Nq, D): a group's heads together
+    scores = torch.einsum("bhgqd,bhnd->bhgqn", q, keys.to(dtype)).float() * sm_scale
     probs = torch.exp(scores - lse.float().reshape(b, hkv, hq // hkv, nq, 1))
     visible = key_pos[:, None, None, None, :] <= query_pos[None, None, None, :, None]
     return torch.where(visible, probs, torch.zeros_like(probs)).sum(dim=(2, 3))
 
 
-def quant_mass_reference(query, query_pos, lse, ledger, sinks, inv_freq, rope_scale, sm_scale):
-    keys, _ = dequantized_keys_reference(ledger, sinks, inv_freq, rope_scale)
-    return mass_reference(query, query_pos, lse, keys, window_positions(ledger.ids, sinks, ledger.omega), sm_scale)
+def quant_mass_reference(query, query_pos, lse, ledger, sinks, inv_freq, rope_scale, sm_scale, dtype=torch.float32):
+    keys, _ = dequantized_keys_reference(ledger, sinks, inv_freq, rope_scale, dtype)
+    return mass_reference(query, query_pos, lse, keys, window_positions(ledger.ids, sinks, ledger.omega), sm_scale,
+                          dtype)
