@@ -135,7 +135,7 @@ def test_run_stream_share_and_replay(studio, browser):
     wait_text(page, "#tier-map", "qevict_head: layer 1, KV head 1", 30_000)
     assert "KV head 1" in page.locator("#prompt-tiers").inner_text()
     assert "low-bit" in page.locator("#prompt-tiers").inner_text()
-    assert "latest routing moves" in page.locator("#moves").inner_text()
+    assert "Latest moves:" in page.locator("#moves").inner_text()
     pick(page, "shown-lane", "qevict")  # the lane picker: QEvict's own routing, routed per layer
     wait_text(page, "#tier-map", "qevict: layer 1,", 30_000)
     assert "qevict_head" not in page.locator("#tier-map").inner_text()
