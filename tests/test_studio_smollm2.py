@@ -90,10 +90,10 @@ def test_every_example_shows_what_it_says_in_the_browser(smollm2_studio, browser
 def test_the_lanes_timed_alone_agree_with_bench_tpot(smollm2, smollm2_studio, browser):
     """The studio's "Time the lanes alone" table, clicked in the browser on a replay of the needle example (2K
     tokens, the default lanes), and bench.tpot on the same prompt: QEvict's time per token over FullKV's agrees
-    within 0.15. Both interleave every lane's decode steps in one process (qevict_core.timing); on this shared
-    2-core machine the ratio of one round moves by a few hundredths between rounds, so 0.15 is well above noise
-    and well below the difference the lane cards once showed (1.11x in the studio against 0.80-0.90x in
-    bench.tpot)."""
+    within 0.15 of the range of three bench.tpot rounds. Both interleave every lane's decode steps in one process
+    (qevict_core.timing); on a quiet 2-core machine the ratio of one round moves by a few hundredths between rounds,
+    so 0.15 is above that noise and below the difference the lane cards once showed (1.11x in the studio against
+    0.80-0.90x in bench.tpot)."""
     from bench.tpot import decode_side_by_side
     from qevict_core import QEvictConfig
     from storage import SessionStore, make_engine
@@ -119,8 +119,15 @@ def test_the_lanes_timed_alone_agree_with_bench_tpot(smollm2, smollm2_studio, br
     req = parse_request(example.prompt, ["fullkv", "qevict"], d.budget, d.omega, d.q_frac, d.bits, d.sinks,
                         d.recent, d.scorer, d.promotion, 2, 0.0, 0, "", d.coverage)
     input_ids = Studio(*smollm2, SessionStore(make_engine("sqlite://"))).prepare(req)[0]
-    steps = decode_side_by_side(smollm2[0], input_ids, [("fullkv", None), ("qevict", d.budget)], 33)
-    tpot = {lane: sum(s for s, _ in st) / len(st) for lane, st in steps.items()}
-    measured = tpot["qevict"] / tpot["fullkv"]
+    lanes = [("fullkv", None), ("qevict", d.budget)]
+    decode_side_by_side(smollm2[0], input_ids[:, :512], lanes, 9)  # warm-up, as bench.tpot does
+    ratios = []
+    for _ in range(3):  # bench.tpot's rounds: their spread is this machine's noise right now
+        steps = decode_side_by_side(smollm2[0], input_ids, lanes, 33)
+        tpot = {lane: sum(s for s, _ in st) / len(st) for lane, st in steps.items()}
+        ratios.append(tpot["qevict"] / tpot["fullkv"])
     assert shown["fullkv"] == 1.0 and set(shown) == {"fullkv", "snapkv", "qevict"}
-    assert abs(shown["qevict"] - measured) <= 0.15, (shown, measured)
+    # Within 0.15 of the rounds' range: one round on a machine shared with two benchmarks once differed from
+    # another by 0.15 on its own, and the range widens with such load; the bug this guards against put the
+    # studio's ratio 0.2-0.3 outside bench.tpot's on a quiet machine.
+    assert min(ratios) - 0.15 <= shown["qevict"] <= max(ratios) + 0.15, (shown, ratios)
