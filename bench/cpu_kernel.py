@@ -1,4 +1,4 @@
-"""Microbenchmark of the C decode kernel (``kernels.cpu_decode``) by the dtype of the stored scales and zero-points.
+"""Microbenchmark of the C decode kernel (``qevict_kernels.cpu_decode``) by the dtype of the stored scales and zero-points.
 
     python -m bench.cpu_kernel --windows 342 --heads 3 --rows 3 --bits 4 --threads 1
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kernels import cpu_decode
+from qevict_kernels import cpu_decode
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

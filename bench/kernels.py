@@ -58,7 +58,7 @@ def timed(fn, device: str, repeats: int) -> float:
 
 
 def case(batch: int, keys: int, bits: int, device: str, repeats: int, hkv=8, groups=4, d=128, omega=8) -> list[dict]:
-    from kernels.quant_attention import dequantized_keys_reference, quant_attention
+    from qevict_kernels.quant_attention import dequantized_keys_reference, quant_attention
     from qevict_core.engine.ledger import WindowLedger
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

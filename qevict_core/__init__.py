@@ -3,23 +3,38 @@
     from qevict_core import load_model, QEvictConfig, make_cache
     model, tok = load_model()
     cache = make_cache("qevict", model, QEvictConfig(budget=0.2), max_length=prompt_len + max_new_tokens)
-    out = model.generate(input_ids, cache=cache, max_new_tokens=..., do_sample=False)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=..., do_sample=False)
+
+Names are imported when first used, so ``python -m qevict_core --help`` and the config need no torch.
 """
 
-from . import moved
-from .config import QEvictConfig
-from .engine.budget import BudgetTooSmall, KVShape, TierPlan, plan_tiers
-from .engine.cache import QEvictCache
-from .engine.cache_base import ReportingCache
-from .events import DoneEvent, MemoryEvent, RoutingEvent, TokenEvent, event_from_dict
-from .generation.generate import Lane, Sampling, generate_lanes
-from .models import DEFAULT_MODEL, ModelNotFoundError, load_model
-from .registry import list_methods, make_cache
+from __future__ import annotations
 
-moved.install()
+import importlib
 
-__all__ = [
-    "BudgetTooSmall", "DEFAULT_MODEL", "DoneEvent", "KVShape", "Lane", "MemoryEvent", "ModelNotFoundError",
-    "QEvictCache", "QEvictConfig", "ReportingCache", "RoutingEvent", "Sampling", "TierPlan", "TokenEvent",
-    "event_from_dict", "generate_lanes", "list_methods", "load_model", "make_cache", "plan_tiers",
-]
+_WHERE = {
+    "QEvictConfig": "config", "Knob": "config",
+    "BudgetTooSmall": "engine.budget", "KVShape": "engine.budget", "TierPlan": "engine.budget",
+    "plan_tiers": "engine.budget",
+    "QEvictCache": "engine.cache", "ReportingCache": "engine.cache_base",
+    "DoneEvent": "events", "MemoryEvent": "events", "RoutingEvent": "events", "TokenEvent": "events",
+    "event_from_dict": "events",
+    "Lane": "generation.generate", "Sampling": "generation.generate", "generate_lanes": "generation.generate",
+    "DEFAULT_MODEL": "models", "ModelNotFoundError": "models", "load_model": "models",
+    "list_methods": "registry", "method_names": "registry",
+    "make_cache": "factory", "BudgetRaised": "factory", "Fitted": "factory",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'qevict_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

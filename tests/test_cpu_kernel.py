@@ -1,4 +1,4 @@
-"""The C decode kernel (kernels/cpu_decode.py) against its PyTorch references, and the engine on it.
+"""The C decode kernel (qevict_kernels/cpu_decode.py) against its PyTorch references, and the engine on it.
 
 Tolerances follow flash-attn's tests: the kernel's error against a float64 reference may be at most a small
 multiple of the error that the same math in float32 PyTorch makes, plus a floor for values near zero.
@@ -9,7 +9,7 @@ import platform
 import pytest
 import torch
 
-from kernels import cpu_decode
+from qevict_kernels import cpu_decode
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.backends import choose
 from tests.conftest import random_prompt, tiny_model

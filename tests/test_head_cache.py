@@ -8,7 +8,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.attention import make_wrapper
+
+qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.head_cache import HeadwiseQEvictCache, split_capacity
 from qevict_core.registry import METHODS
 from tests.conftest import random_prompt, tiny_model

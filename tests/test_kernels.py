@@ -7,9 +7,9 @@ error of the same math done in bfloat16 (plus a small floor)."""
 import pytest
 import torch
 
-from kernels.merge import fp_attention_with_lse, merge_attention
-from kernels.quant_attention import quant_attention, quant_attention_reference
-from kernels.window_mass import fp_mass, mass_reference, quant_mass, quant_mass_reference
+from qevict_kernels.merge import fp_attention_with_lse, merge_attention
+from qevict_kernels.quant_attention import quant_attention, quant_attention_reference
+from qevict_kernels.window_mass import fp_mass, mass_reference, quant_mass, quant_mass_reference
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import WindowLedger
 from tests.conftest import random_prompt, tiny_model

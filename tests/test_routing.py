@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.attention import make_wrapper
+
+qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.layout import window_positions
 from tests.conftest import random_prompt, tiny_model
 
@@ -132,7 +134,7 @@ def test_prefill_scores_equal_eager_attention_column_sums(kv_heads):
     """Eq. 1 at prefill: the score of a window is the eager-attention mass it receives, averaged over heads."""
     model = tiny_model("llama", kv_heads)
     prompt = random_prompt(4 + 24 * 8)
-    config = QEvictConfig(budget=1.5, omega=8, sinks=4, prefill_window=0)
+    config = QEvictConfig(budget=1.0, omega=8, sinks=4, prefill_window=0)
     cache = routing_keeps_everything(make_cache("qevict", model, config, max_length=200))
     with torch.inference_mode():
         model(prompt, cache=cache)
@@ -150,7 +152,7 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
     """After prefill and two routing events in decode, scores are the column sums over all 212 query rows."""
     model = tiny_model("qwen2", 2)
     full = random_prompt(4 + 26 * 8)
-    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4,
+    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.0, omega=8, sinks=4,
                                                                               prefill_window=0), max_length=212))
     with torch.inference_mode():
         model(full[:, :196], cache=cache)
@@ -168,7 +170,7 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
 def test_prefill_observation_window_scores_only_the_last_prompt_queries():
     model = tiny_model("llama", 2)
     prompt = random_prompt(4 + 24 * 8)
-    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.5, omega=8, sinks=4,
+    cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.0, omega=8, sinks=4,
                                                                               prefill_window=16), max_length=200))
     with torch.inference_mode():
         model(prompt, cache=cache)

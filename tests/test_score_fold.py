@@ -10,7 +10,9 @@ import torch
 from transformers import AttentionInterface
 
 from qevict_core import QEvictConfig, make_cache
-from qevict_core.engine.attention import qevict_attention
+from qevict_core.engine.attention import make_wrapper
+
+qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.key_mass import kv_head_mass
 from tests.conftest import random_prompt, tiny_model
 

@@ -29,7 +29,7 @@ def test_full_budget_matches_dynamic_cache_on_smollm2(smollm2):
     model, tok = smollm2
     prompt = passage_prompt(tok, 300)
     ref = model.generate(prompt, cache=DynamicCache(config=model.config), max_new_tokens=24, do_sample=False)
-    cache = make_cache("qevict", model, QEvictConfig(budget=1.5), max_length=prompt.shape[1] + 24)
+    cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=prompt.shape[1] + 24)
     out = model.generate(prompt, cache=cache, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, ref)
 
@@ -70,25 +70,18 @@ def test_cli_json_output_parses(tmp_path):
     assert result["text"].strip()
 
 
-def test_cli_reports_bad_budget_readably(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--budget", "0.2",
-                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=600,
+def test_cli_runs_a_short_prompt_at_the_least_budget_and_says_so():
+    """"Hi" with 8 new tokens cannot fit QEvict's sinks and recent region in 20%: the CLI runs it at the least it
+    can and prints that ratio; --strict-budget refuses instead, in one line."""
+    base = [sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--budget", "0.2",
+            "--max-new-tokens", "8"]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "qevict runs at " in done.stdout and "of FullKV's bytes, not 20.0%" in done.stdout
+    done = subprocess.run(base + ["--strict-budget"], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cannot hold the protected regions" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--scale-dtype",
-                           "float8"], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2
-    assert "scale_dtype must be one of ('model', 'float16', 'bfloat16')" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--coverage", "1.5"],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2
-    assert "coverage must be None (split by q_frac) or a fraction in (0, 1]" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--pool", "-1"],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2
-    assert "pool must be an integer number of windows >= 0, 0 = no pooling" in done.stderr
 
 
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):

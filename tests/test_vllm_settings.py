@@ -19,7 +19,8 @@ def test_the_options_switch_on_the_connector_with_blocks_of_one_window():
 
 @pytest.mark.parametrize("settings, block_size, message", [
     ({"budjet": 0.2}, None, r"unknown QEvict settings \['budjet'\]; allowed: .*'budget'"),
-    ({"budget": -1}, None, "budget must be a fraction > 0"),
+    ({"budget": -1}, None, r"budget must be a number in \(0, 1\]"),
+    ({"budget": 1.5}, None, r"budget must be a number in \(0, 1\] \(got 1.5\)"),
     ({"bits": 3}, None, r"bits must be one of \(2, 4\)"),
     ({"kernels": "cpu"}, None, r"unknown QEvict settings \['kernels'\]"),
     ({"omega": 8}, 32, r"omega must equal vLLM's KV block size \(32\): a window is one block"),

@@ -8,12 +8,13 @@ import logging
 import math
 import statistics
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from qevict_core import BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.config import BITS, SCORERS
 from qevict_core.registry import METHODS, resolve
 from qevict_core.timing import tpot_ratios
@@ -60,6 +61,10 @@ class Studio:
     _loaded: dict = field(default_factory=dict, repr=False)  # id -> ((updated_at, status), meta, events)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __post_init__(self) -> None:
+        # A lane the library runs above the asked budget says so in its card's note (prepare): not in the log.
+        warnings.filterwarnings("ignore", category=BudgetRaised)
+
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
@@ -96,20 +101,15 @@ class Studio:
         if context and total > context:
             raise ValueError(f"The prompt is {input_ids.shape[1]} tokens; with {req.sampling.max_new_tokens} new "
                              f"tokens that is {total}, beyond the model's context of {context}. Shorten it.")
-        fullkv = KVShape.from_model(self.model).fullkv_bytes(total)
         lanes, specs = [], []
         for name, method in zip(lane_names(req.methods), req.methods):
             spec = {"name": name, "method": method}
-            try:
-                cache = make_cache(method, self.model, req.config, max_length=total)
-            except BudgetTooSmall as err:
-                cache = make_cache(method, self.model, req.config.replace(budget_bytes=err.needed_bytes),
-                                   max_length=total)
-                spec["budget_bytes"] = err.needed_bytes
-                spec["note"] = (f"Runs at {err.needed_bytes / fullkv:.1%} of FullKV's bytes, not "
-                                f"{req.config.budget:.1%}: "
-                                f"this run holds only {total} tokens, and {err.reason}. That is the least this "
-                                f"method can run with here; the other lanes use the budget you chose.")
+            cache = make_cache(method, self.model, req.config, max_length=total)
+            if cache.fitted is not None:
+                spec["budget_bytes"] = cache.fitted.needed_bytes
+                spec["note"] = (f"Runs at {cache.fitted.ratio:.1%} of FullKV's bytes, not {req.config.budget:.1%}: "
+                                f"this run holds only {total} tokens, and {cache.fitted.reason}. That is the least "
+                                "this method can run with here; the other lanes use the budget you chose.")
             if cache.summary().get("uncompressed"):
                 spec["note"] = ("The budget holds this whole run uncompressed, so this lane is FullKV: nothing is "
                                 "routed, quantized or evicted.")

@@ -87,6 +87,6 @@ def _cpu_kernel_unusable(device: torch.device, dtype: torch.dtype) -> str | None
         return f"the model is on {device.type}, the C kernel runs on the CPU"
     if dtype != torch.float32:
         return f"the model is in {dtype}, the C kernel reads float32 scales and keys"
-    from kernels import cpu_decode
+    from qevict_kernels import cpu_decode
 
     return cpu_decode.available()

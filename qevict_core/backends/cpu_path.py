@@ -1,4 +1,4 @@
-"""QEvict's decode step on the CPU with the low-bit tier read in place (``kernels.cpu_decode``).
+"""QEvict's decode step on the CPU with the low-bit tier read in place (``qevict_kernels.cpu_decode``).
 
 The PyTorch path rebuilds the quantized tier in full precision before every step (``assemble.py``): at 4K tokens
 that rebuild was most of QEvict's step on one core. Here ``update`` returns only the full-precision keys
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decode
+from qevict_kernels import cpu_decode
 
 
 def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor,

@@ -2,8 +2,8 @@
 
 With kernels on, ``update`` returns only the full-precision keys (sinks | full | recent). Attention runs as
 segments merged by log-sum-exp: the full-precision segment through PyTorch's fused attention (which returns its
-LSE), the quantized segment through ``kernels.quant_attention``, which dequantizes and re-rotates the packed codes
-in registers. Right after, ``kernels.window_mass`` turns the step's exp(q·k·scale - lse) into every key's attention
+LSE), the quantized segment through ``qevict_kernels.quant_attention``, which dequantizes and re-rotates the packed codes
+in registers. Right after, ``qevict_kernels.window_mass`` turns the step's exp(q·k·scale - lse) into every key's attention
 mass, which the layer folds into its score table — Eq. 1 without materialising attention rows or keeping queries.
 The prompt (nothing quantized yet) still takes SDPA and the chunked PyTorch scorer.
 """
@@ -14,8 +14,8 @@ import torch
 
 def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float):
     """-> (out (B, Hq, L, D), lse (B, Hq, L)) float32 over the full-precision keys and the quantized tier."""
-    from kernels.merge import fp_attention_with_lse, merge_attention
-    from kernels.quant_attention import quant_attention
+    from qevict_kernels.merge import fp_attention_with_lse, merge_attention
+    from qevict_kernels.quant_attention import quant_attention
 
     parts = [fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=query.shape[2] > 1)]
     if layer.quant.num_windows:
@@ -29,7 +29,7 @@ def key_mass(layer, query: torch.Tensor, query_pos: torch.Tensor, lse: torch.Ten
              scaling: float) -> torch.Tensor:
     """(B, Hkv, N) attention mass of this step's queries on every key, laid out [quantized | full precision] like
     the keys of the PyTorch path, summed over each group's query heads."""
-    from kernels.window_mass import fp_mass, quant_mass
+    from qevict_kernels.window_mass import fp_mass, quant_mass
 
     masses = []
     if layer.quant.num_windows:

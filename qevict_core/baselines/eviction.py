@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.attention import sdpa_with_positions, use_qevict_attention
+from ..engine.attention import sdpa_with_positions
 from ..engine.budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -190,7 +190,6 @@ class EvictionLayer(ReportingLayer):
 
 class EvictionCache(ReportingCache):
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int, policy: Policy, method: str):
-        use_qevict_attention(model)
         if policy.ragged and batch_size != 1:
             raise ValueError(f"{policy.label} keeps a different number of tokens per head and supports batch size 1 "
                              f"only (got {batch_size})")

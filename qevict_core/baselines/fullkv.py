@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import use_qevict_attention
 from ..engine.budget import KVShape
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -33,7 +32,6 @@ class FullKVCache(ReportingCache):
     chunked_prefill = "exact"
 
     def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
-        use_qevict_attention(model)
         shape = KVShape.from_model(model, batch_size)
         layers = [FullKVLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)

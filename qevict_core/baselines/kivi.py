@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import use_qevict_attention
 from ..engine.budget import KVShape
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -89,7 +88,6 @@ class KIVICache(ReportingCache):
                  group: int = 32, residual: int = 32):
         if residual % group:
             raise ValueError(f"KIVI residual length {residual} must be a multiple of the group size {group}")
-        use_qevict_attention(model)
         self.method = f"kivi{bits}"
         self.bits, self.group, self.residual = bits, group, residual
         shape = KVShape.from_model(model, batch_size)

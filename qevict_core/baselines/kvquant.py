@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import use_qevict_attention
 from ..engine.budget import KVShape
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -190,7 +189,6 @@ class KVQuantCache(ReportingCache):
             raise ValueError(f"KVQuant bits must be 2 or 4 (got {bits!r})")
         if not 0.0 <= outlier_frac < 0.5:
             raise ValueError(f"outlier_frac must lie in [0, 0.5) (got {outlier_frac!r})")
-        use_qevict_attention(model)
         self.method = f"kvquant{bits}"
         self.bits, self.outlier_frac, self.sinks = bits, outlier_frac, sinks
         self.rope = Rope.from_model(model)

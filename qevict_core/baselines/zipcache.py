@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import sdpa_with_positions, use_qevict_attention
+from ..engine.attention import sdpa_with_positions
 from ..engine.budget import KVShape
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -140,7 +140,6 @@ class ZipCacheCache(ReportingCache):
             raise ValueError(f"bits must be 2, 4 or 8 with low_bits <= high_bits (got {high_bits}, {low_bits})")
         if not 0.0 <= salient_frac <= 1.0:
             raise ValueError(f"salient_frac must lie in [0, 1] (got {salient_frac!r})")
-        use_qevict_attention(model)
         self.method = "zipcache"
         self.high_bits, self.low_bits, self.salient_frac, self.stream = high_bits, low_bits, salient_frac, stream
         shape = KVShape.from_model(model, batch_size)

@@ -65,12 +65,15 @@ def quant_window_bytes(shape: KVShape, omega: int, bits: int, param_dtype: torch
 
 class BudgetTooSmall(ValueError):
     """A byte budget below what a method needs to run at all; ``needed_bytes`` is the least it can run with and
-    ``reason`` says in plain words what takes that much."""
+    ``reason`` says in plain words what takes that much. ``fittable``: running at ``needed_bytes`` instead is what
+    the caller asked for in spirit (what the method always keeps does not fit); False when the caller fixed what
+    does not fit (tier capacities), which ``make_cache`` never overrides."""
 
-    def __init__(self, message: str, needed_bytes: int, reason: str):
+    def __init__(self, message: str, needed_bytes: int, reason: str, fittable: bool = True):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.reason = reason
+        self.fittable = fittable
 
 
 def budget_bytes_of(shape: KVShape, cfg: QEvictConfig, max_length: int) -> int:
@@ -160,5 +163,5 @@ def _fixed_capacities(shape: KVShape, cfg: QEvictConfig, max_length: int, budget
             f"the score table, {k_full} x {m_f} for full windows{ledger} and {k_quant} x {m_quant} for quantized "
             f"windows. {needed - per_layer} bytes per layer are missing: they need {total} bytes in all "
             f"({total / shape.fullkv_bytes(max_length):.3f} of the full cache), the budget is {budget}", total,
-            f"K_f={k_full} full and K_q={k_quant} quantized windows per layer need that much")
+            f"K_f={k_full} full and K_q={k_quant} quantized windows per layer need that much", fittable=False)
     return TierPlan(max_length, budget, num_windows, k_full, k_quant, keeps_dormant, fixed, m_f, m_quant)

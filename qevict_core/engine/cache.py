@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from .attention import use_qevict_attention
 from .budget import KVShape, plan_tiers
 from .cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
@@ -40,7 +39,6 @@ class QEvictCache(ReportingCache):
     chunked_prefill = "staged"
 
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1):
-        use_qevict_attention(model)
         self.config = config
         self.scorer = make_scorer(config)
         shape = KVShape.from_model(model, batch_size)

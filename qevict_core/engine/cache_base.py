@@ -12,7 +12,7 @@ from abc import abstractmethod
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import sdpa_with_positions
+from .attention import sdpa_with_positions, use_qevict_attention
 from .budget import KVShape
 
 
@@ -98,10 +98,12 @@ class ReportingCache(Cache):
     method = "base"
     chunked_prefill: str | None = None
     config = None  # the QEvictConfig it runs with, after its method's own settings; None where it reads none
+    fitted = None  # factory.Fitted when make_cache ran it above the asked budget (the least it can run with)
 
     def __init__(self, layers: list[ReportingLayer], model, shape: KVShape, max_length: int,
                  budget_bytes: int | None):
         super().__init__(layers=layers)
+        use_qevict_attention(model)  # wraps the model's own implementation: other caches still run it
         self.shape = shape
         self.max_length = max_length
         self.budget_bytes = budget_bytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decode
+from qevict_kernels import cpu_decode
 
 
 def attend(layer, query: torch.Tensor, scaling: float):

@@ -32,10 +32,11 @@ class RowLayer(ReportingLayer):
     def append(self, key_states, value_states):
         return key_states, value_states
 
-    def attend_rows(self, module, query, key, value, attention_mask, scaling: float, dropout: float):
-        """query (B, Hq, L, D); key, value (B, Hkv, L, D): this forward's new tokens. -> (B, L, Hq, D)."""
+    def attend_rows(self, module, query, key, value, visible, scaling: float, dropout: float):
+        """query (B, Hq, L, D); key, value (B, Hkv, L, D): this forward's new tokens; ``visible`` (B, L) bool, the
+        keys the newest query of each row may see (None: all). -> (B, L, Hq, D)."""
         owner, idx = self.owner, self.layer_idx
-        pads = owner.padding(attention_mask, query.shape[2]) if owner.step == 0 else [0] * len(owner.rows)
+        pads = owner.padding(visible, query.shape[2]) if owner.step == 0 else [0] * len(owner.rows)
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (B, L, Hq, D)
         for b, (row, pad) in enumerate(zip(owner.rows, pads)):
             row_keys, row_values = row.update(key[b:b + 1, :, pad:], value[b:b + 1, :, pad:], idx)
@@ -77,16 +78,15 @@ class RowCache(ReportingCache):
         budgets = [row.budget_bytes for row in self.rows]
         self.budget_bytes = None if None in budgets else sum(budgets)
 
-    def padding(self, attention_mask: torch.Tensor | None, length: int) -> list[int]:
-        """Padding tokens per row of the prompt, read once from the mask the first layer gets; only left padding
-        (a hidden prefix) is possible, which is what ``tokenizer(..., padding_side="left")`` produces."""
+    def padding(self, visible: torch.Tensor | None, length: int) -> list[int]:
+        """Padding tokens per row of the prompt, read once from what the newest query of each row may see among
+        the prompt (``visible`` (B, length) bool); only left padding (a hidden prefix) is possible, which is what
+        ``tokenizer(..., padding_side="left")`` produces."""
         if self._pads is not None:
             return self._pads
-        if attention_mask is None:
+        if visible is None:
             self._pads = [0] * len(self.rows)
             return self._pads
-        last = attention_mask[:, 0, -1, -length:]  # what the newest query of each row may see among the prompt
-        visible = last if last.dtype == torch.bool else last == 0
         pads = (~visible).long().cumprod(dim=1).sum(dim=1)  # length of each row's hidden prefix
         if int(visible.sum()) != int((length - pads).sum()):
             raise ValueError("padding must be on the left (a hidden prefix of each row): tokenize with "

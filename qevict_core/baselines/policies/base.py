@@ -47,6 +47,11 @@ class Policy:
 
     window: int = 32  # observation window (prefill policies) or protected recent tokens (step policies)
 
+    @classmethod
+    def from_config(cls, config) -> Policy:
+        """The policy a lane of this config runs (a policy that reads a QEvictConfig field overrides this)."""
+        return cls()
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """(B, H, >= candidates) ranking; the caller reads the first ``candidates`` columns."""
         raise NotImplementedError

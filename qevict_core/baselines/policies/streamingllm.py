@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,10 @@ class StreamingLLM(Policy):
     scores_from = "none"
 
     sinks: int = 4
+
+    @classmethod
+    def from_config(cls, config) -> StreamingLLM:
+        return cls(sinks=config.sinks)
 
     def min_capacity(self) -> int:
         return self.sinks + 1
