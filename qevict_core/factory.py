@@ -56,8 +56,9 @@ def make_cache(method: str, model, config: QEvictConfig | None = None, max_lengt
 
     ``config``: the knobs (budget and the rest; default ``QEvictConfig()``). ``max_length``: the most tokens the
     cache will see; the budget is a share of FullKV's bytes for that many. Default: the model's context length
-    (``max_position_embeddings``): the cache then holds a short generation uncompressed and starts compressing
-    when its bytes would pass the share of a full context. Tensors are sized to what is live either way.
+    (``max_position_embeddings``), so the budget is a share of a full context's bytes, as a server sizes memory
+    per sequence. Either way the cache's tensors are sized to what is live: it grows with the sequence, up to the
+    budget.
     ``padded``: the batch may be left-padded (prompts of different lengths): one cache per row, each seeing only
     its row's tokens, so every row generates what its prompt generates alone (generation/padded.py).
     ``strict``: a budget too small for what the method must always keep raises ``BudgetTooSmall`` instead of
