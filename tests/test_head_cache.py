@@ -46,7 +46,7 @@ def identical_heads(model):
     return model
 
 
-# Per-head forms measured on the way to qevict_head (its fields on top of the config; docs/history.md).
+# Per-head forms measured on the way to qevict_head (its fields on top of the config; docs/decisions.md).
 BOTH_SIDES = dict(pool=1, pool_weight=1.0, pool_direction="both")
 HEAD_FORMS = {"qevict_head": {}, "both-sides, AdaKV split": dict(BOTH_SIDES, head_floor=0.2),
               "no pooling, AdaKV split": dict(pool=0, head_floor=0.2)}

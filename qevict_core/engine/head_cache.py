@@ -9,7 +9,7 @@ Ranking. At a routing event each head ranks windows by (1 - β)·its own ranking
 (β = ``QEvictConfig.head_blend``, 0.5 by default; β = 1 makes QEvict's per-layer decisions exactly; β = 0 keeps
 only what a head's own group attended to). The scorer pools the ranking before the blend (``QEvictConfig.pool``;
 the default pools forward at a tenth of the score), so a head that keeps a needle's window tends to keep the window
-that continues it. docs/history.md has the measurements behind these choices.
+that continues it. docs/decisions.md says why, and where the measurements are.
 
 Allocation. ``plan_tiers`` sizes one head's share of the budget (a layer of one KV head: every head's window ids,
 ledger flags and score table are charged), which gives K_f and K_q per head. At every routing event the layer's
