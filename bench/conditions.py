@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from qevict_core import QEvictConfig, make_cache  # noqa: E402
 from qevict_core import diagnostics as dg  # noqa: E402
+from qevict_core.generation.model_call import cache_keyword, call  # noqa: E402
 
 from .common import RESULTS, add_model_args, setup  # noqa: E402
 from .ruler_tasks import essay_sentences  # noqa: E402
@@ -46,16 +47,16 @@ def article(tokenizer, index: int, tokens: int) -> torch.Tensor:
 def generate_reference(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
     cache = make_cache("fullkv", model, None, max_length=prompt.shape[1] + new)
     with torch.inference_mode():
-        out = model.generate(prompt, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        out = model.generate(prompt, **{cache_keyword(type(model)): cache}, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return out[:, :prompt.shape[1] + new]
 
 
 def replay(model, sequence: torch.Tensor, prompt_len: int, method: str, config: QEvictConfig):
     cache = make_cache(method, model, config.replace(record_events=True), max_length=sequence.shape[1])
     with torch.inference_mode():
-        model(sequence[:, :prompt_len], cache=cache)
+        call(model, sequence[:, :prompt_len], cache)
         for i in range(prompt_len, sequence.shape[1]):
-            model(sequence[:, i:i + 1], cache=cache)
+            call(model, sequence[:, i:i + 1], cache)
     by_layer: dict[int, list[dict]] = {}
     for event in cache.events:
         by_layer.setdefault(event.layer, []).append(event.to_dict())

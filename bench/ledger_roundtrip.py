@@ -18,6 +18,7 @@ from qevict_core.engine.layout import window_positions
 from qevict_core.engine.ledger import WindowLedger
 from qevict_core.engine.quant import unpack
 from qevict_core.engine.rope import Rope
+from qevict_core.generation.model_call import call
 from qevict_core.testing import tiny_model
 
 PARAMS = ("k_scale", "k_zero", "v_scale", "v_zero")
@@ -30,7 +31,7 @@ def records(model, vocab: int, dtype: torch.dtype, bits: int):
     rope, cache = Rope.from_model(model), DynamicCache()
     ids = torch.randint(0, vocab, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        model(ids, cache=cache)
+        call(model, ids, cache)
     windows = (TOKENS - SINKS) // OMEGA
     window_ids = torch.arange(windows, dtype=torch.int32)[None]
     positions = window_positions(window_ids, SINKS, OMEGA)

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .common import RESULTS, Variant, add_model_args, default_device
 from .speed import load, prompt_ids
+from qevict_core.generation.model_call import call
 from qevict_core.generation.prefill import prefill
 from qevict_core.timing import sync
 
@@ -33,7 +34,7 @@ def profile_steps(model, tokenizer, method: str, budget: float, context: int, ba
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(steps):
-                token = model(token, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             sync(device)
             per_step = (time.perf_counter() - start) / steps
     return prof, per_step

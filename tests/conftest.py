@@ -16,6 +16,12 @@ from qevict_core.testing import tiny_chat_model, tiny_model, tiny_tokenizer  # n
 
 torch.set_num_threads(int(os.environ.get("QEVICT_TEST_THREADS", "2")))
 
+# The cache's keyword in this transformers (``cache`` from 5.24, ``past_key_values`` before: Python 3.10's 5.20).
+from qevict_core.generation.model_call import cache_keyword  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+KV = cache_keyword(LlamaForCausalLM)
+
 TINY_CASES = [("llama", 2), ("llama", 4), ("qwen2", 2), ("mistral", 2), ("mistral", 4), ("qwen2", 4)]
 
 

@@ -129,7 +129,7 @@ def test_the_readmes_policy_example_runs_at_its_budget(monkeypatch):
 
     from qevict_core import QEvictConfig
     from qevict_core import registry
-    from tests.conftest import random_prompt, tiny_model
+    from tests.conftest import KV, random_prompt, tiny_model
 
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
@@ -147,7 +147,7 @@ def test_the_readmes_policy_example_runs_at_its_budget(monkeypatch):
     prompt = random_prompt(200)
     cache = registry.METHODS[name].build(model, QEvictConfig(budget=0.3), max_length=232)
     with torch.inference_mode():
-        out = model.generate(prompt, cache=cache, max_new_tokens=32, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=32, do_sample=False)
     report = cache.memory_report()
     assert name == "recent" and out.shape[1] == 232
     assert report["total_bytes"] <= report["budget_bytes"] < report["fullkv_bytes"]

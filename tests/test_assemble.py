@@ -8,7 +8,7 @@ import qevict_core.engine.qevict_layer as cache_module
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.engine.assemble import assemble, assemble_reference
 from qevict_core.engine.layout import window_positions
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 
 
@@ -34,9 +34,9 @@ def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bit
     cache = make_cache("qevict", model, config, max_length=460)
     checked = 0
     with torch.inference_mode():
-        logits = model(random_prompt(400), cache=cache).logits
+        logits = model(random_prompt(400), **{KV: cache}).logits
         for _ in range(40):
-            logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
+            logits = model(logits[:, -1:].argmax(-1), **{KV: cache}).logits
             for layer in cache.layers:
                 positions = window_positions(layer.quant.ids, config.sinks, config.omega)
                 cache.begin_forward(0)  # a fresh table, as a forward would build it

@@ -7,7 +7,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.baselines.policies.base import ScoreInputs
 from qevict_core.baselines.policies.defensivekv import DefensiveKV
 from qevict_core.registry import METHODS
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 
 BUDGETED = [name for name, spec in METHODS.items() if spec.family in ("qevict", "eviction")]
@@ -16,9 +16,9 @@ PREFILL_POLICIES = ["streamingllm", "snapkv", "adakv", "criticalkv", "defensivek
 
 def teacher_forced(model, cache, prompt, continuation):
     with torch.inference_mode():
-        model(prompt, cache=cache)
+        model(prompt, **{KV: cache})
         for i in range(continuation.shape[1]):
-            model(continuation[:, i:i + 1], cache=cache)
+            model(continuation[:, i:i + 1], **{KV: cache})
             yield cache.memory_report()
 
 
@@ -76,8 +76,8 @@ def test_prefill_policies_keep_their_top_scored_tokens(method):
     cache = make_cache(method, model, QEvictConfig(budget=0.2), max_length=620)
     recorded = recording(cache)
     with torch.inference_mode():
-        model(prompt, cache=full)
-        model(prompt, cache=cache)
+        model(prompt, **{KV: full})
+        model(prompt, **{KV: cache})
     assert len(recorded["scores"]) == len(cache.layers)
     for layer, ref, (scores, candidates) in zip(cache.layers, full.layers, recorded["scores"]):
         for h in range(len(layer.keys)):
@@ -95,7 +95,7 @@ def test_snapkv_scores_match_eager_reimplementation():
     cache = make_cache("snapkv", model, QEvictConfig(budget=0.2), max_length=510)
     recorded = recording(cache)
     with torch.inference_mode():
-        model(prompt, cache=cache)
+        model(prompt, **{KV: cache})
         model.set_attn_implementation("eager")
         eager = model(prompt, output_attentions=True).attentions
         model.set_attn_implementation("qevict")
@@ -113,8 +113,8 @@ def test_h2o_keeps_recent_plus_heavy_hitters_of_eager_attention():
     cache = make_cache("h2o", model, QEvictConfig(budget=0.2), max_length=510)
     full = make_cache("fullkv", model, None, max_length=510)
     with torch.inference_mode():
-        model(prompt, cache=cache)
-        model(prompt, cache=full)
+        model(prompt, **{KV: cache})
+        model(prompt, **{KV: full})
         model.set_attn_implementation("eager")
         eager = model(prompt, output_attentions=True).attentions
         model.set_attn_implementation("qevict")
@@ -147,7 +147,7 @@ def test_ragged_policies_free_memory_per_head():
     for method in ("adakv", "defensivekv"):
         cache = make_cache(method, model, QEvictConfig(budget=0.2), max_length=800)
         with torch.inference_mode():
-            model(random_prompt(790), cache=cache)
+            model(random_prompt(790), **{KV: cache})
         lengths = [[k.shape[1] for k in layer.keys] for layer in cache.layers]
         if method == "adakv":  # near-uniform random attention saturates DefensiveKV's protection: equal counts there
             assert any(len(set(per_layer)) > 1 for per_layer in lengths), f"{method}: heads kept equal counts"
@@ -184,7 +184,7 @@ def test_layer_defensivekv_gives_layers_different_budgets():
     model = tiny_model("llama", 2, num_hidden_layers=3)
     cache = make_cache("layer_defensivekv", model, QEvictConfig(budget=0.2), max_length=800)
     with torch.inference_mode():
-        model(random_prompt(790), cache=cache)
+        model(random_prompt(790), **{KV: cache})
     per_layer = [sum(k.shape[1] for k in layer.keys) for layer in cache.layers]
     assert len(set(per_layer)) > 1
     assert cache.memory_report()["total_bytes"] <= cache.budget_bytes

@@ -6,7 +6,7 @@ import torch
 from qevict_core import BudgetRaised, BudgetTooSmall, KVShape, Lane, QEvictConfig, Sampling, generate_lanes, make_cache, plan_tiers
 from qevict_core.engine.budget import quant_window_bytes
 from qevict_core.engine.ledger import WindowLedger
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 
 NEW_STEPS = 40
@@ -297,6 +297,6 @@ def test_scorer_and_window_ablations_run_at_qevicts_capacities_when_they_fit():
 def decode_to_max_length(model, cache, length: int = 1000) -> None:
     """A random prompt, then greedy steps until the cache holds ``length`` tokens."""
     with torch.inference_mode():
-        logits = model(random_prompt(length - NEW_STEPS), cache=cache).logits[:, -1]
+        logits = model(random_prompt(length - NEW_STEPS), **{KV: cache}).logits[:, -1]
         for _ in range(NEW_STEPS):
-            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+            logits = model(logits.argmax(-1, keepdim=True), **{KV: cache}).logits[:, -1]

@@ -3,7 +3,7 @@
 import pytest
 
 from qevict_core import QEvictConfig, make_cache
-from tests.conftest import tiny_model
+from tests.conftest import KV, tiny_model
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -83,7 +83,7 @@ def test_cache_refuses_tokens_beyond_max_length():
     model = tiny_model()
     cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=20)
     with pytest.raises(ValueError, match="sized for max_length=20"):
-        model(torch.zeros(1, 21, dtype=torch.long), cache=cache)
+        model(torch.zeros(1, 21, dtype=torch.long), **{KV: cache})
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])

@@ -12,7 +12,7 @@ import torch
 from qevict_kernels import cpu_decode
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.backends import choose
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_decode.available() is not None,
                                 reason=f"the C kernel did not build: {cpu_decode.available()}")
@@ -302,7 +302,7 @@ def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits)
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels, coverage=None),
                            max_length=400 + 48, batch_size=2)
         assert cache.backend.name == kernels
-        out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=48, min_new_tokens=48, do_sample=False)
         memory = cache.memory_report()
         assert memory["total_bytes"] <= memory["budget_bytes"]
         results[kernels] = (out[:, 400:].tolist(), cache.summary(), memory["components"])
@@ -320,7 +320,7 @@ def test_narrow_scales_generate_the_same_tokens_on_both_paths_within_budget(meth
     wide_plan = make_cache(method, model, config.replace(scale_dtype="model"), max_length=448).plan
     for kernels in ("torch", "cpu"):
         cache = make_cache(method, model, config.replace(kernels=kernels), max_length=448)
-        out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=48, min_new_tokens=48, do_sample=False)
         memory = cache.memory_report()
         assert memory["total_bytes"] <= memory["budget_bytes"]
         tiers = [tier.quant for layer in cache.layers for tier in getattr(layer, "heads", [layer])]
@@ -339,6 +339,6 @@ def test_the_cpu_kernel_on_smollm2_generates_the_torch_paths_tokens(smollm2):
     for kernels in ("torch", "cpu"):
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels),
                            max_length=prompt.shape[1] + 64)
-        out = model.generate(prompt, cache=cache, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=64, min_new_tokens=64, do_sample=False)
         tokens[kernels] = out[0, prompt.shape[1]:].tolist()
     assert tokens["cpu"] == tokens["torch"]

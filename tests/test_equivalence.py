@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 NEW = 40
 
@@ -17,7 +17,7 @@ class _Tok:
 
 
 def _greedy_with_logits(model, prompt, cache):
-    out = model.generate(prompt, cache=cache, max_new_tokens=NEW, do_sample=False, output_logits=True,
+    out = model.generate(prompt, **{KV: cache}, max_new_tokens=NEW, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, min_new_tokens=NEW)
     return out.sequences, torch.stack(out.logits)
 
@@ -69,11 +69,11 @@ def test_multi_token_chunk_after_eviction_stays_causal():
     one = make_cache("qevict", model, config, max_length=260)
     many = make_cache("qevict", model, config, max_length=260)
     with torch.inference_mode():
-        model(prompt, cache=one)
-        model(prompt, cache=many)
+        model(prompt, **{KV: one})
+        model(prompt, **{KV: many})
         assert one.tier_counts()[0]["evicted"] > 0 and one.tier_counts()[0]["quantized"] > 0
-        together = model(chunk, cache=one).logits[0]
-        apart = torch.cat([model(chunk[:, i:i + 1], cache=many).logits[0] for i in range(5)])
+        together = model(chunk, **{KV: one}).logits[0]
+        apart = torch.cat([model(chunk[:, i:i + 1], **{KV: many}).logits[0] for i in range(5)])
     torch.testing.assert_close(together, apart, rtol=1e-4, atol=1e-4)
     assert one.get_seq_length() == many.get_seq_length() == 245
 

@@ -13,7 +13,7 @@ from qevict_core.engine.attention import make_wrapper
 qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.head_cache import HeadwiseQEvictCache, split_capacity
 from qevict_core.registry import METHODS
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 from tests.test_equivalence import NEW, _greedy_with_logits, _Tok
 from tests.test_routing import OMEGA, RECENT, SINKS, keys_for, window_direction
@@ -187,7 +187,7 @@ def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
         monkeypatch.setattr(HeadwiseLayer, "_one_pass", lambda self, n, _a=allowed: _a and one_pass(self, n))
         cache = make_cache("qevict_head", model, config, max_length=prompt.shape[1] + new)
         assert cache.backend.name == "cpu"
-        out = model.generate(prompt, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         runs.append((out.sequences, torch.stack(out.logits), cache))
         assert bool(calls) == allowed
@@ -267,7 +267,7 @@ def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, fa
     model = tiny_model(family, kv_heads)
     cache = make_cache("qevict_head", model, config, max_length=560)
     assert cache.backend.name == "cpu"
-    model.generate(random_prompt(500), cache=cache, max_new_tokens=56, min_new_tokens=56, do_sample=False)
+    model.generate(random_prompt(500), **{KV: cache}, max_new_tokens=56, min_new_tokens=56, do_sample=False)
     assert len(checked) == 6 * len(cache.layers)  # every routing event of the decode (seen 508, 516, ..., 548)
     assert (sum(checked) > 0) == config.promotion  # promotions happened, and were compared
 

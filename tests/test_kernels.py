@@ -12,7 +12,7 @@ from qevict_kernels.quant_attention import quant_attention, quant_attention_refe
 from qevict_kernels.window_mass import fp_mass, mass_reference, quant_mass, quant_mass_reference
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import WindowLedger
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 SINKS = 5
 # On a GPU host the kernels run compiled on CUDA tensors; elsewhere through the interpreter on CPU tensors.
@@ -140,7 +140,7 @@ def test_forced_kernels_generate_the_torch_paths_tokens(kv_heads):
     for kernels in ("torch", "triton"):  # 48 steps: six routing events after the prefill
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels), max_length=400 + 48)
         assert cache.backend.name == kernels
-        out = model.generate(prompt, cache=cache, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=48, min_new_tokens=48, do_sample=False)
         results[kernels] = (out[0, 400:].tolist(), cache.summary(), cache.memory_report())
     torch_tokens, torch_moves, torch_mem = results["torch"]
     triton_tokens, triton_moves, triton_mem = results["triton"]
@@ -163,7 +163,7 @@ def test_forced_kernels_on_smollm2_generate_the_torch_paths_tokens():
     tokens = {}
     for kernels in ("torch", "triton"):
         cache = make_cache("qevict", model, QEvictConfig(budget=0.2, kernels=kernels), max_length=prompt.shape[1] + 256)
-        out = model.generate(prompt, cache=cache, max_new_tokens=256, min_new_tokens=256, do_sample=False)
+        out = model.generate(prompt, **{KV: cache}, max_new_tokens=256, min_new_tokens=256, do_sample=False)
         tokens[kernels] = out[0, prompt.shape[1]:].tolist()
     agree = sum(a == b for a, b in zip(tokens["torch"], tokens["triton"])) / 256
     assert tokens["triton"][:64] == tokens["torch"][:64] and agree > 0.95, agree

@@ -5,7 +5,7 @@ import torch
 
 from qevict_core import make_cache
 from qevict_core.baselines.kvquant import KVQuantCache, _nearest, fit_levels
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 
 
@@ -58,7 +58,7 @@ def test_generation_tracks_fullkv_and_bytes_follow_the_bit_width():
     outputs, ratios = {}, {}
     for method in ("fullkv", "kvquant2", "kvquant4"):
         cache = make_cache(method, model, None, max_length=440)
-        outputs[method] = model.generate(prompt, cache=cache, max_new_tokens=40, min_new_tokens=40,
+        outputs[method] = model.generate(prompt, **{KV: cache}, max_new_tokens=40, min_new_tokens=40,
                                          do_sample=False)[0, 400:]
         ratios[method] = cache.memory_report()["ratio"]
         assert cache.memory_report()["total_bytes"] == walked_bytes(cache)

@@ -5,7 +5,7 @@ import torch
 
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.registry import METHODS
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 NEW = 40
 
@@ -21,7 +21,7 @@ def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
 
 
 def generate(model, ids, cache, new: int = NEW, **kwargs) -> list[list[int]]:
-    out = model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+    out = model.generate(ids, **{KV: cache}, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
     return out[:, ids.shape[1]:].tolist()
 
 
@@ -60,12 +60,12 @@ def test_right_padding_and_an_empty_row_are_refused_with_the_fix():
     right[1, -10:] = 0
     cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=70, batch_size=2, padded=True)
     with pytest.raises(ValueError, match="padding_side='left'"):
-        model.generate(ids, attention_mask=right, cache=cache, max_new_tokens=3, do_sample=False)
+        model.generate(ids, attention_mask=right, **{KV: cache}, max_new_tokens=3, do_sample=False)
     empty = torch.ones_like(ids)
     empty[0] = 0
     cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=70, batch_size=2, padded=True)
     with pytest.raises(ValueError, match=r"rows \[0\] are all padding"):
-        model.generate(ids, attention_mask=empty, cache=cache, max_new_tokens=3, do_sample=False)
+        model.generate(ids, attention_mask=empty, **{KV: cache}, max_new_tokens=3, do_sample=False)
 
 
 def test_a_padded_batch_of_real_prompts_on_smollm2(smollm2):

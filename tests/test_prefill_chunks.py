@@ -7,7 +7,7 @@ from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.generation.prefill import chunk_sizes, prefill
 from qevict_core.engine.rope import Rope
 from qevict_core.engine.prompt_stage import BLOCK
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 from tests.test_equivalence import _Tok
 
@@ -19,7 +19,7 @@ def _decode(model, cache, logits, steps: int = NEW) -> list[int]:
     with torch.inference_mode():
         for _ in range(steps):
             tokens.append(int(token))
-            token = model(token, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(token, **{KV: cache}, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     return tokens
 
 
@@ -70,7 +70,7 @@ def test_stage_holds_the_prompt_within_half_an_int8_step_and_its_bytes_are_count
     with torch.inference_mode():
         for size in sizes[:-1]:
             cache.read_prompt_chunk(more_to_come=True)
-            model(prompt[:, start:start + size], cache=cache)
+            model(prompt[:, start:start + size], **{KV: cache})
             start += size
             report = cache.memory_report()
             assert report["components"]["staged"] > 0 and report["total_bytes"] == walked_bytes(cache)

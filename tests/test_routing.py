@@ -11,7 +11,7 @@ from qevict_core.engine.attention import make_wrapper
 
 qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.layout import window_positions
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 D, OMEGA, SINKS, RECENT = 16, 8, 4, 8
 
@@ -137,7 +137,7 @@ def test_prefill_scores_equal_eager_attention_column_sums(kv_heads):
     config = QEvictConfig(budget=1.0, omega=8, sinks=4, prefill_window=0)
     cache = routing_keeps_everything(make_cache("qevict", model, config, max_length=200))
     with torch.inference_mode():
-        model(prompt, cache=cache)
+        model(prompt, **{KV: cache})
         model.set_attn_implementation("eager")
         eager = model(prompt, output_attentions=True).attentions
         model.set_attn_implementation("qevict")
@@ -155,9 +155,9 @@ def test_decode_scores_accumulate_eager_attention_of_every_query():
     cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.0, omega=8, sinks=4,
                                                                               prefill_window=0), max_length=212))
     with torch.inference_mode():
-        model(full[:, :196], cache=cache)
+        model(full[:, :196], **{KV: cache})
         for i in range(196, 212):
-            model(full[:, i:i + 1], cache=cache)
+            model(full[:, i:i + 1], **{KV: cache})
         model.set_attn_implementation("eager")
         eager = model(full, output_attentions=True).attentions
         model.set_attn_implementation("qevict")
@@ -173,7 +173,7 @@ def test_prefill_observation_window_scores_only_the_last_prompt_queries():
     cache = routing_keeps_everything(make_cache("qevict", model, QEvictConfig(budget=1.0, omega=8, sinks=4,
                                                                               prefill_window=16), max_length=200))
     with torch.inference_mode():
-        model(prompt, cache=cache)
+        model(prompt, **{KV: cache})
         model.set_attn_implementation("eager")
         eager = model(prompt, output_attentions=True).attentions
         model.set_attn_implementation("qevict")

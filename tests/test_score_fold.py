@@ -14,7 +14,7 @@ from qevict_core.engine.attention import make_wrapper
 
 qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.key_mass import kv_head_mass
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 RECORDER = "qevict_replay_recorder"
 
@@ -85,9 +85,9 @@ def run_with_replay(model, config, prompt_len: int, steps: int, vocab: int = 256
     model.set_attn_implementation(RECORDER)
     try:
         with torch.inference_mode():
-            logits = model(random_prompt(prompt_len, vocab), cache=cache).logits[:, -1]
+            logits = model(random_prompt(prompt_len, vocab), **{KV: cache}).logits[:, -1]
             for _ in range(steps):
-                logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+                logits = model(logits.argmax(-1, keepdim=True), **{KV: cache}).logits[:, -1]
     finally:
         model.set_attn_implementation("qevict")
     return recorder

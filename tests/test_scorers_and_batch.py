@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qevict_core import QEvictConfig, make_cache
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 NEW = 48
 
@@ -12,11 +12,11 @@ NEW = 48
 def decode(model, prompt, cache, steps=NEW):
     tokens = []
     with torch.inference_mode():
-        logits = model(prompt, cache=cache).logits[:, -1]
+        logits = model(prompt, **{KV: cache}).logits[:, -1]
         for _ in range(steps):
             nxt = logits.argmax(-1, keepdim=True)
             tokens.append(nxt)
-            logits = model(nxt, cache=cache).logits[:, -1]
+            logits = model(nxt, **{KV: cache}).logits[:, -1]
     return torch.cat(tokens, dim=1)
 
 
@@ -71,7 +71,7 @@ def test_batch_size_mismatch_is_reported():
     model = tiny_model("llama", 2)
     cache = make_cache("qevict", model, QEvictConfig(budget=0.5), max_length=300)
     with pytest.raises(ValueError, match="batch size 1, got 2"):
-        model(torch.zeros(2, 10, dtype=torch.long), cache=cache)
+        model(torch.zeros(2, 10, dtype=torch.long), **{KV: cache})
 
 
 @pytest.mark.parametrize("method", ["qevict", "fullkv", "snapkv", "kivi2"])
@@ -84,10 +84,10 @@ def test_a_padded_batch_is_refused_not_attended_to(method):
     padded[1, :30] = 0
     cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
     with pytest.raises(ValueError, match=r"rows \[1\] of this batch have padding.*padded=True"):
-        model.generate(ids, attention_mask=padded, cache=cache, max_new_tokens=3, do_sample=False)
+        model.generate(ids, attention_mask=padded, **{KV: cache}, max_new_tokens=3, do_sample=False)
     # The same batch without padding runs, and both rows of identical prompts decode identically.
     cache = make_cache(method, model, QEvictConfig(budget=0.5), max_length=210, batch_size=2)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **{KV: cache}, max_new_tokens=8, do_sample=False)
     assert torch.equal(out[0], out[1])
 
 

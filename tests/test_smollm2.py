@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.cli import encode_prompt
+from tests.conftest import KV
 
 pytestmark = pytest.mark.slow
 AUSTEN = Path(__file__).resolve().parents[1] / "bench" / "data" / "austen.txt"
@@ -28,9 +29,9 @@ def passage_prompt(tokenizer, tokens: int) -> torch.Tensor:
 def test_full_budget_matches_dynamic_cache_on_smollm2(smollm2):
     model, tok = smollm2
     prompt = passage_prompt(tok, 300)
-    ref = model.generate(prompt, cache=DynamicCache(config=model.config), max_new_tokens=24, do_sample=False)
+    ref = model.generate(prompt, **{KV: DynamicCache(config=model.config)}, max_new_tokens=24, do_sample=False)
     cache = make_cache("qevict", model, QEvictConfig(budget=1.0), max_length=prompt.shape[1] + 24)
-    out = model.generate(prompt, cache=cache, max_new_tokens=24, do_sample=False)
+    out = model.generate(prompt, **{KV: cache}, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, ref)
 
 
@@ -97,7 +98,7 @@ def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
         with torch.inference_mode():
             for _ in range(8):
                 tokens.append(logits.argmax(-1, keepdim=True))
-                logits = model(tokens[-1], cache=cache, logits_to_keep=1).logits[:, -1]
+                logits = model(tokens[-1], **{KV: cache}, logits_to_keep=1).logits[:, -1]
         return cache, torch.cat(tokens, dim=1)
 
     (whole, ref), (chunked, got) = run(None), run(128)

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from qevict_core import QEvictConfig, make_cache
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 
 NEW = 24
 
@@ -21,10 +21,10 @@ def greedy(model, prompt, **cache):
         return model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **cache)
 
 
-@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+@pytest.mark.parametrize("keyword", sorted({KV, "past_key_values"}))
 def test_either_keyword_runs_the_cache(keyword):
     model, prompt = tiny_model("llama", 2), random_prompt(300)
-    ref = greedy(model, prompt, cache=make_cache("qevict", model, QEvictConfig(budget=0.3), max_length=300 + NEW))
+    ref = greedy(model, prompt, **{KV: make_cache("qevict", model, QEvictConfig(budget=0.3), max_length=300 + NEW)})
     cache = make_cache("qevict", model, QEvictConfig(budget=0.3), max_length=300 + NEW)
     out = greedy(model, prompt, **{keyword: cache})
     assert torch.equal(out, ref)
@@ -40,12 +40,12 @@ def test_other_caches_keep_the_models_own_attention(implementation):
 
     def plain():
         with torch.inference_mode():
-            out = model.generate(prompt, cache=DynamicCache(config=model.config), max_new_tokens=NEW,
+            out = model.generate(prompt, **{KV: DynamicCache(config=model.config)}, max_new_tokens=NEW,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
         return out.sequences, torch.stack(out.logits)
 
     before = plain()
-    greedy(model, prompt, cache=make_cache("qevict", model, QEvictConfig(budget=0.5), max_length=120 + NEW))
+    greedy(model, prompt, **{KV: make_cache("qevict", model, QEvictConfig(budget=0.5), max_length=120 + NEW)})
     assert model.config._attn_implementation != implementation  # wrapped, not replaced
     after = plain()
     assert torch.equal(after[0], before[0])
@@ -69,9 +69,9 @@ def test_max_length_is_optional():
     model, prompt = tiny_model("llama", 2, max_position_embeddings=2048), random_prompt(100)
     cache = make_cache("qevict", model, QEvictConfig(budget=0.2))
     assert cache.max_length == 2048 and cache.budget_bytes == int(0.2 * cache.shape.fullkv_bytes(2048))
-    greedy(model, prompt, cache=cache)
+    greedy(model, prompt, **{KV: cache})
     early = cache.memory_report()["total_bytes"]
-    greedy(model, random_prompt(600), cache=(longer := make_cache("qevict", model, QEvictConfig(budget=0.2))))
+    greedy(model, random_prompt(600), **{KV: (longer := make_cache("qevict", model, QEvictConfig(budget=0.2)))})
     assert early < longer.memory_report()["total_bytes"] <= longer.budget_bytes == cache.budget_bytes
 
 

@@ -5,7 +5,7 @@ import torch
 
 from qevict_core import make_cache
 from qevict_core.baselines.zipcache import ZipCacheCache
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_budget import walked_bytes
 
 
@@ -35,7 +35,7 @@ def test_decoded_tokens_stream_into_the_stores_and_bytes_are_measured():
     model = tiny_model("llama", 2)
     prompt = random_prompt(300)
     cache = make_cache("zipcache", model, None, max_length=440)
-    out = model.generate(prompt, cache=cache, max_new_tokens=130, min_new_tokens=130, do_sample=False)[0, 300:]
+    out = model.generate(prompt, **{KV: cache}, max_new_tokens=130, min_new_tokens=130, do_sample=False)[0, 300:]
     counts = cache.tier_counts()[0]
     # 129 tokens were fed back: 100 compressed as one stream chunk, 29 still in full precision.
     assert counts == {"sink": 0, "recent": 29, "full": 0, "quantized": 400, "evicted": 0}
@@ -44,7 +44,7 @@ def test_decoded_tokens_stream_into_the_stores_and_bytes_are_measured():
     report = cache.memory_report()
     assert report["total_bytes"] == walked_bytes(cache) and report["ratio"] < 0.35
     full = make_cache("fullkv", model, None, max_length=440)
-    reference = model.generate(prompt, cache=full, max_new_tokens=130, min_new_tokens=130, do_sample=False)[0, 300:]
+    reference = model.generate(prompt, **{KV: full}, max_new_tokens=130, min_new_tokens=130, do_sample=False)[0, 300:]
     # Greedy paths part once one token differs; the start of the answer is FullKV's.
     assert torch.equal(out[:16], reference[:16])
 

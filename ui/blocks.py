@@ -18,7 +18,6 @@ from .handlers import CLEARED, Handlers, lane_choices
 from .examples import EXAMPLES
 from .form import MAX_NEW_TOKENS
 from .glossary import GLOSSARY
-from .gpu import GPU
 from .studio import Studio
 
 DEFAULTS = QEvictConfig()
@@ -186,7 +185,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
         inputs = [t.prompt, *t.lanes, t.budget, t.omega, t.q_frac, t.bits, t.sinks, t.recent, t.scorer, t.promotion,
                   t.max_new, t.temperature, t.seed, v.layer, t.expected, v.head, t.coverage, v.lane]
         t.generate.click(ev.arm, None, [t.status, *v.outputs, t.share], queue=False, **private).then(
-            GPU(duration=300)(ev.generate), inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
+            ev.generate, inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
             concurrency_id="gpu", concurrency_limit=1, show_progress_on=[t.status])
         new_ref.change(ev.record, [new_ref, owned], owned, **private)
         for event in (t.prompt.blur, t.expected.blur, t.generate.click):
@@ -207,9 +206,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
         r.play.click(lambda: gr.Timer(active=True), None, r.timer, **private)
         r.pause.click(lambda: gr.Timer(active=False), None, r.timer, **private)
         r.timer.tick(ev.tick, [r.id, r.step, *pickers], [*shown, r.timer], **private)
-        r.diagnose.click(GPU(duration=120)(ev.run_diagnostics), r.id, r.diagnostics, concurrency_id="gpu",
+        r.diagnose.click(ev.run_diagnostics, r.id, r.diagnostics, concurrency_id="gpu",
                          concurrency_limit=1, **private)
-        r.time.click(GPU(duration=120)(ev.time_lanes), r.id, r.timing, concurrency_id="gpu", concurrency_limit=1,
+        r.time.click(ev.time_lanes, r.id, r.timing, concurrency_id="gpu", concurrency_limit=1,
                      **private)
 
         # -- sessions

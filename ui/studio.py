@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -14,14 +16,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, make_cache
 from qevict_core.config import BITS, SCORERS
 from qevict_core.registry import METHODS, resolve
-from qevict_core.timing import tpot_ratios
 from storage import SessionStore
 from storage.schema import parse_stored
 
+from . import gpu
 from .form import RunRequest
+from .jobs import (LaneDiagnosis, RunJob, TimingJob, diagnose, diagnosis_seconds, run_events, run_seconds,
+                   time_lanes, timing_seconds)
 from .view import RunView
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,20 @@ class Studio:
     def __post_init__(self) -> None:
         # A lane the library runs above the asked budget says so in its card's note (prepare): not in the log.
         warnings.filterwarnings("ignore", category=BudgetRaised)
+        # The model's work, as jobs that cross a process boundary on ZeroGPU (jobs.py); wrapped once, at start-up,
+        # as spaces.GPU requires.
+        self.events = gpu.GPU(duration=run_seconds)(self._run_events)
+        self.timed = gpu.GPU(duration=timing_seconds)(self._time_lanes)
+        self.diagnosed = gpu.GPU(duration=diagnosis_seconds)(self._diagnose)
+
+    def _run_events(self, job: RunJob) -> Iterator[list[dict]]:
+        yield from run_events(self.model, self.tokenizer, job)
+
+    def _time_lanes(self, job: TimingJob) -> dict:
+        return time_lanes(self.model, job)
+
+    def _diagnose(self, lanes: tuple[LaneDiagnosis, ...], prompt_len: int) -> dict:
+        return diagnose(self.model, lanes, prompt_len)
 
     @property
     def num_layers(self) -> int:
@@ -131,25 +149,31 @@ class Studio:
 
     def run(self, req: RunRequest, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Update]:
         """Stream the run. Each lane's step is written before it is shown, so a crash loses at most the step in
-        flight; a stopped, failed or abandoned run (the generator closed) keeps what was written."""
-        input_ids, lanes, request = self.prepare(req)
+        flight; a stopped, failed or abandoned run (the generator closed) keeps what was written. The model runs
+        as a job (``jobs.run_events``): on ZeroGPU in a forked process, whose yields are all this sees of it."""
+        input_ids, _, request = self.prepare(req)
         session_id, token = self.store.create(req.prompt, request)
-        view, pending, status, message = RunView(request), [], "running", ""
+        view, status, message = RunView(request), "running", ""
+        stop_file = os.path.join(tempfile.gettempdir(), f"qevict-stop-{session_id}")
+        job = RunJob(tuple(input_ids[0].tolist()), tuple((lane["name"], lane["method"]) for lane in request["lanes"]),
+                     req.config.to_dict(), req.sampling.max_new_tokens, req.sampling.temperature, req.sampling.seed,
+                     stop_file)
+        stream = self.events(job)
         try:
             yield Update(view, session_id, token, True, status)
             routing_changed = False
-            for event in generate_lanes(self.model, self.tokenizer, input_ids, lanes, req.sampling, should_stop):
-                data = event.to_dict()
-                routing_changed |= view.apply(data)
-                pending.append(data)
-                if data["kind"] == "memory":
-                    self.store.append(session_id, pending)
-                    pending = []
-                    if all(lane.done or len(lane.tokens) > data["step"] for lane in lanes):
-                        if data["step"] == 0:
-                            self._measure_prefill(input_ids.shape[1] * len(lanes), lanes[0].prefill_seconds)
-                        yield Update(view, session_id, token, routing_changed, status)
-                        routing_changed = False
+            for batch in stream:
+                if should_stop() and not os.path.exists(stop_file):
+                    open(stop_file, "w").close()  # the job stops after the step in flight
+                for data in batch:
+                    routing_changed |= view.apply(data)
+                self.store.append(session_id, batch)
+                step = batch[-1]["step"]
+                if all(lane.done or len(lane.tokens) > step for lane in view.lanes.values()):
+                    if step == 0:
+                        self._measure_prefill(len(job.input_ids) * len(job.lanes), view.lanes_prefill_seconds())
+                    yield Update(view, session_id, token, routing_changed, status)
+                    routing_changed = False
             errors = [lane.done for lane in view.lanes.values() if (lane.done or "").startswith("error")]
             status = "error" if errors else "stopped" if should_stop() else "done"
             message = "; ".join(errors)
@@ -157,10 +181,10 @@ class Studio:
             log.exception("run %s failed", session_id)
             status, message = "error", str(err)
         finally:
-            try:
-                self.store.append(session_id, pending)
-            finally:
-                self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
+            stream.close()  # an abandoned run (tab closed): on ZeroGPU this releases the GPU worker
+            if os.path.exists(stop_file):
+                os.unlink(stop_file)
+            self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
         yield Update(view, session_id, token, True, status, message)
 
     def _measure_prefill(self, tokens: int, seconds: float) -> None:
@@ -207,14 +231,12 @@ class Studio:
         request = meta["request"]
         req = RunRequest(meta["prompt"], tuple(resolve(lane["method"])[0] for lane in request["lanes"]),
                          QEvictConfig.from_dict(request["config"]), Sampling(max_new_tokens=new_tokens))
-        input_ids, lanes, _ = self.prepare(req)
-        names = [lane.name for lane in lanes]
+        input_ids, _, spec = self.prepare(req)
+        names = [lane["name"] for lane in spec["lanes"]]
         baseline = "fullkv" if "fullkv" in names else names[0]
-        device = next(self.model.parameters()).device
-        # Runs on the model's one worker (Gradio's "gpu" queue), never beside a generation.
-        timed = tpot_ratios(self.model, input_ids.to(device),
-                            lambda: {lane.name: lane.cache for lane in self.prepare(req)[1]}, baseline,
-                            new_tokens, rounds)
+        job = TimingJob(tuple(input_ids[0].tolist()), tuple((lane["name"], lane["method"]) for lane in spec["lanes"]),
+                        req.config.to_dict(), new_tokens, rounds, baseline)
+        timed = self.timed(job)  # on the model's one worker (Gradio's "gpu" queue), never beside a generation
         rows = [f"| {name} | {1000 * t['tpot']:.1f} | {t['ratio']:.3f} |" for name, t in timed.items()]
         return (f"Each lane alone on this run's prompt ({input_ids.shape[1]:,} tokens): {new_tokens - 1} decode steps "
                 f"of every lane, interleaved in one process, as `bench.tpot` measures (× {baseline}: the ratio "
@@ -265,8 +287,6 @@ DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "f
 def diagnose_session(studio: Studio, session_id: str) -> str:
     """The paper's diagnostics for every routed lane of a stored run, against FullKV attention over that lane's
     own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU)."""
-    from qevict_core import diagnostics as dg
-
     try:
         view, _, meta = studio.replay(session_id)
     except (LookupError, ValueError) as err:
@@ -277,33 +297,29 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
     prompt, _ = studio.encode(meta["prompt"])
     sampling = meta["request"]["sampling"]
     max_length = prompt.shape[1] + sampling["max_new_tokens"]
-    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
-    header = "| lane | " + " | ".join(columns) + " |"
-    rows = [header, "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
-    problems = []
+    problems, jobs = [], []
     vocab = int(getattr(studio.model.config, "vocab_size", 0) or 0)
     for name in lanes:
         lane = view.lanes[name]
         if len(lane.tokens) < 2:
             problems.append(f"- `{name}`: fewer than two generated tokens, nothing to diagnose.")
-            continue
-        if prompt.shape[1] != int(meta["request"]["prompt_length"]):
+        elif prompt.shape[1] != int(meta["request"]["prompt_length"]):
             problems.append(f"- `{name}`: this model reads the stored prompt as {prompt.shape[1]} tokens, the run "
                             f"had {meta['request']['prompt_length']}: it was made with another model or tokenizer.")
-            continue
-        if vocab and max(lane.tokens) >= vocab:
+        elif vocab and max(lane.tokens) >= vocab:
             problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
                             f"({vocab} ids): the run was made with another model.")
-            continue
-        sequence = torch.cat([prompt, torch.tensor([lane.tokens[:-1]])], dim=1)
-        omega, sinks = view.omega(name), view.sinks(name)
-        try:
-            traces = dg.reference_traces(studio.model, sequence.to(next(studio.model.parameters()).device),
-                                         prompt.shape[1])
-            result = dg.diagnose(traces, view.routing[name], prompt.shape[1], sinks, omega,
-                                 math.ceil((max_length - sinks) / omega), int(lane.summary.get("k_full", 1)))
-        except (ValueError, IndexError, KeyError, RuntimeError) as err:  # a stored run this model cannot redo
-            problems.append(f"- `{name}`: cannot be diagnosed ({type(err).__name__}: {str(err)[:200]}).")
+        else:
+            omega, sinks = view.omega(name), view.sinks(name)
+            jobs.append(LaneDiagnosis(name, tuple(prompt[0].tolist() + lane.tokens[:-1]), view.routing[name], sinks,
+                                      omega, math.ceil((max_length - sinks) / omega),
+                                      int(lane.summary.get("k_full", 1))))
+    results = studio.diagnosed(tuple(jobs), prompt.shape[1]) if jobs else {}
+    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
+    rows = ["| lane | " + " | ".join(columns) + " |", "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
+    for name, result in results.items():
+        if isinstance(result, str):
+            problems.append(f"- `{name}`: cannot be diagnosed ({result}).")
             continue
         cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
         cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]

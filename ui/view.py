@@ -116,6 +116,10 @@ class RunView:
             lane.done, lane.summary, lane.text = event["reason"], event.get("summary") or {}, event["text"]
         return False
 
+    def lanes_prefill_seconds(self) -> float:
+        """The prompt's forward: the lanes read it together, so the first lane's time is everyone's."""
+        return next(iter(self.lanes.values())).prefill_seconds
+
     def routed_lanes(self) -> list[str]:
         return [name for name, layers in self.routing.items() if layers]
 

@@ -72,7 +72,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
                    should_stop: Callable[[], bool] | None = None, together: bool = True,
                    prefill_chunk: int | None = None) -> Iterator:
-    """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches.
+    """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches. Each lane's
+    ``DoneEvent`` comes as soon as it ends (end of text, length, an error), the stopped lanes' once Stop is seen.
 
     With ``together`` the lanes share each forward (``lanes_forward.forward_lanes``): one prefill for all, then
     one batched forward per step in which row i attends only to lane i's cache. Each lane reports that forward's
@@ -114,6 +115,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
             except Exception as err:  # end the lanes of this forward, keep what they generated
                 for lane in group:
                     lane.done = f"error: {err}"
+                    yield _done(lane)
                 continue
             alone = lane_seconds(seconds, owns, group[0].cache.device_type == "cpu")
             for lane, row, own in zip(group, logits, alone):
@@ -127,12 +129,21 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                     lane.done = "eos"
                 elif step + 1 == sampling.max_new_tokens:
                     lane.done = "length"
+                if lane.done:
+                    yield _done(lane)
         if all(lane.done for lane in lanes):
             break
     for lane in lanes:
-        yield DoneEvent(lane=lane.name, step=max(len(lane.tokens) - 1, 0), reason=lane.done or "stopped",
-                        text=lane.text, tokens=len(lane.tokens), prefill_seconds=lane.prefill_seconds,
-                        decode_seconds=lane.decode_seconds, summary=lane.cache.summary())
+        if lane.done in (None, "stopped"):
+            lane.done = "stopped"
+            yield _done(lane)
+
+
+def _done(lane: Lane) -> DoneEvent:
+    """A lane's end, as soon as it ends (the others may go on)."""
+    return DoneEvent(lane=lane.name, step=max(len(lane.tokens) - 1, 0), reason=lane.done, text=lane.text,
+                     tokens=len(lane.tokens), prefill_seconds=lane.prefill_seconds,
+                     decode_seconds=lane.decode_seconds, summary=lane.cache.summary())
 
 
 def lane_seconds(seconds: float, owns: list[float], timed: bool) -> list[float | None]:

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..engine.cache_base import ReportingCache
+from .model_call import call
 
 
 class _FanOut:
@@ -92,6 +93,6 @@ def forward_lanes(model, input_ids: torch.Tensor, caches: list[ReportingCache]) 
     Returns the last position's logits, one row per cache."""
     cache = caches[0] if len(caches) == 1 else LaneBatch(caches)
     with torch.inference_mode():
-        logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = call(model, input_ids, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits.expand(len(caches), -1) if logits.shape[0] == 1 else logits
 

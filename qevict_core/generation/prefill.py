@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.cache_base import ReportingCache
+from .model_call import call
 
 
 def chunk_sizes(length: int, chunk: int | None) -> list[int]:
@@ -44,7 +45,7 @@ def prefill(model, input_ids: torch.Tensor, cache: ReportingCache, chunk: int | 
         for i, size in enumerate(sizes):
             if len(sizes) > 1:
                 cache.read_prompt_chunk(more_to_come=i + 1 < len(sizes))
-            logits = model(input_ids=input_ids[:, start:start + size], cache=cache, use_cache=True,
+            logits = call(model, input_ids[:, start:start + size], cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]
             start += size
     return logits
