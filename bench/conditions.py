@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from qevict_core import QEvictConfig, make_cache  # noqa: E402
 from qevict_core import diagnostics as dg  # noqa: E402
@@ -138,7 +139,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     collected: dict[str, list] = {name: [] for name in CONDITIONS}
     plans, skipped = {}, {}
-    for index in range(args.articles):
+    for index in tqdm(range(args.articles), desc="conditions", unit="article"):
         prompt = article(tokenizer, index, args.prefill) if args.model != "tiny" else \
             torch.randint(0, 256, (1, args.prefill), generator=torch.Generator().manual_seed(index))
         sequence = generate_reference(model, prompt, args.generate)

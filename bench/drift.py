@@ -23,6 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tqdm import tqdm  # noqa: E402
+
 from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup  # noqa: E402
 from .fidelity import measure, passage_tokens  # noqa: E402
 from .report import COLORS, interval, label  # noqa: E402
@@ -123,7 +125,7 @@ def main(argv=None) -> None:
     todo = passage_tokens(tokenizer, args.prefill + args.steps, [o for o in offsets if o not in done],
                           args.model == "tiny")
     device = next(model.parameters()).device
-    for offset, tokens in todo.items():
+    for offset, tokens in tqdm(todo.items(), desc="drift", unit="passage"):
         for row in measure(model, tokens.to(device), args.prefill, lanes, curves=True):
             append_jsonl(path, {**summarise(row, args.bin), "passage": offsets.index(offset), "offset": offset,
                                 **meta})

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from tqdm import tqdm
 
 from qevict_core import BudgetTooSmall
 from qevict_core.backends import choose
@@ -238,7 +239,7 @@ def main(argv=None) -> None:
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         runs: dict[str, list[dict]] = {}
-        for _ in range(args.repeats):
+        for _ in tqdm(range(args.repeats), desc=f"speed at {context}", unit="round"):
             for method, budget in lanes:  # interleaved, so drifting machine load hits every method alike
                 try:
                     result = measure(args, model, tokenizer, device, method, budget, context)

@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from qevict_core.timing import interleaved_steps
 
@@ -97,7 +98,7 @@ def main(argv=None) -> None:
     lanes = method_lanes(specs, [args.budget])  # bad specs fail before anything runs, with the allowed values
     model, tokenizer, meta = load(args.model, args.device, args.threads)
     rows = []
-    for context in [int(c) for c in args.contexts.split(",")]:
+    for context in tqdm([int(c) for c in args.contexts.split(",")], desc="tpot", unit="context"):
         rows += run(model, tokenizer, lanes, context, args.new_tokens, args.rounds, args.baseline)
     for row in rows:
         print(f"{row['context']:>6} {row['method']:18s} tpot={1000 * row['tpot']:.1f} ms "

@@ -52,7 +52,7 @@ def test_decode_loop_and_model_generate_agree_under_compression():
     model = tiny_model("qwen2", 2)
     prompt = random_prompt(300)
     config = QEvictConfig(budget=0.25, recent=16, sinks=4)
-    via_generate = model.generate(prompt, cache=make_cache("qevict", model, config, max_length=300 + NEW),
+    via_generate = model.generate(prompt, **{KV: make_cache("qevict", model, config, max_length=300 + NEW)},
                                   max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)[0, 300:].tolist()
     lane = Lane("q", make_cache("qevict", model, config, max_length=300 + NEW))
     events = list(generate_lanes(model, _Tok(), prompt, [lane], Sampling(max_new_tokens=NEW)))

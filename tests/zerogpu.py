@@ -68,6 +68,11 @@ class ForkedGPU:
 
 
 def _work(task, payload, results, stop) -> None:
+    import torch
+
+    # The parent's OpenMP pool does not survive a fork (a GNU libgomp child can hang in its first parallel
+    # region); ZeroGPU's workers compute on the GPU, these on one CPU thread.
+    torch.set_num_threads(1)
     args, kwargs = pickle.loads(payload)
     try:
         out = task(*args, **kwargs)
