@@ -1,13 +1,20 @@
-"""Microbenchmarks of the quantized-segment attention kernel (decode: one query per head).
+"""One layer's decode attention over T cached tokens, four ways, and the device's copy bandwidth as the ceiling.
 
-    python -m bench.kernels --device cuda --keys 4096,16384,65536,131072 --batch 1,8,32 --bits 2
-    python -m bench.kernels --device cpu --keys 512 --batch 1 --repeats 2   # smoke run (Triton interpreter)
+    python -m bench.kernels --device cuda --keys 8192,32768 --batch 1,8 --bits 4
+    TRITON_INTERPRET=1 python -m bench.kernels --device cpu --keys 512 --batch 1 --repeats 1   # smoke run
 
-For each size, three ways to attend to the same number of keys: ``kernel`` reads packed INT2/INT4 codes and
-dequantizes + re-rotates in registers; ``dequant+sdpa`` dequantizes the ledger in PyTorch, re-applies RoPE, then
-runs SDPA (the paper's path); ``sdpa_fp16`` is fused SDPA (FlashAttention when available) over full-precision keys.
-Reported: median time, bytes each must read, and achieved bandwidth as a fraction of the device's peak (decode
-attention is bandwidth-bound: INT2 codes are 1/8 of fp16's bytes, plus scales).
+For a layer of 8 KV heads × 4 query heads, head_dim 128 (an 8B shape), one query per head:
+
+- ``fused``: QEvict's path: the T tokens in the low-bit tier, read once by ``qevict_kernels.lowbit_attention``,
+  plus 64 full-precision tokens (sinks and recent) through SDPA, merged by log-sum-exp with every window's mass;
+- ``old_kernel``: the first Triton kernel over the same tier (``bench/old_kernel.py``), attention only;
+- ``dequant+sdpa``: the tier dequantized and re-rotated in PyTorch, then SDPA;
+- ``sdpa_bf16``: SDPA (on CUDA its flash backend) over T bfloat16 tokens: FullKV's attention.
+
+On CUDA every way is captured in a CUDA graph and replayed, timed with CUDA events over back-to-back replays
+(a decode step replays a graph; a host timer around one launch would time the launch). ``copy`` is a
+device-to-device copy of 1 GiB, the bandwidth any of them can reach. Each row: median seconds, the bytes it must
+read, GB/s and the fraction of the copy's bandwidth.
 """
 
 from __future__ import annotations
@@ -20,108 +27,132 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .common import RESULTS, run_metadata
 
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 8.64e11, "A10G": 6.0e11}  # bytes/s
-
-
-def peak_bandwidth(device: str) -> float | None:
-    if not device.startswith("cuda"):
-        return None
-    name = torch.cuda.get_device_name()
-    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+HKV, GROUPS, HEAD_DIM, OMEGA, FP_TOKENS = 8, 4, 128, 8, 64
 
 
 def timed(fn, device: str, repeats: int) -> float:
-    """Median seconds per call. On CUDA, CUDA events around ``repeats`` back-to-back calls, five times: one call
-    of a small case lasts about as long as a launch, which a host timer around a single call would measure."""
+    """Median seconds per call: on CUDA a graph of ``fn`` replayed ``repeats`` times back to back, five times."""
     fn()  # warm-up (and compilation)
-    if device.startswith("cuda"):
-        per_call = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(repeats):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            per_call.append(start.elapsed_time(end) / 1000 / repeats)
-        return statistics.median(per_call)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    if not device.startswith("cuda"):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # graphs are captured on a side stream, after a warm-up there
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    per_call = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        per_call.append(start.elapsed_time(end) / 1000 / repeats)
+    return statistics.median(per_call)
 
 
-def case(batch: int, keys: int, bits: int, device: str, repeats: int, hkv=8, groups=4, d=128, omega=8) -> list[dict]:
-    from qevict_kernels.quant_attention import dequantized_keys_reference, quant_attention
+def copy_bandwidth(device: str, repeats: int) -> float | None:
+    """Bytes per second a device-to-device copy moves (read + write), the ceiling of a bandwidth-bound kernel."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * src.nbytes / seconds
+
+
+def case(batch: int, keys: int, bits: int, device: str, repeats: int) -> list[dict]:
     from qevict_core.engine.ledger import WindowLedger
+    from qevict_kernels.lowbit_attention import dequantized_keys_reference, lowbit_attention, merge
+    from qevict_kernels.merge import fp_attention_with_lse
+
+    from .old_kernel import quant_attention
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    windows = keys // omega
-    k = torch.randn(batch, hkv, windows * omega, d, device=device, dtype=dtype)
+    windows, d = keys // OMEGA, HEAD_DIM
+    k = torch.randn(batch, HKV, windows * OMEGA, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
     ids = torch.arange(windows, device=device, dtype=torch.int32).expand(batch, -1).contiguous()
-    ledger = WindowLedger.quantize(k, v, ids, omega, bits)
-    query = torch.randn(batch, hkv * groups, 1, d, device=device, dtype=dtype)
+    ledger = WindowLedger.quantize(k, v, ids, OMEGA, bits, torch.float16)
+    count = torch.full((batch,), windows, dtype=torch.int32, device=device)
+    query = torch.randn(batch, HKV * GROUPS, 1, d, device=device, dtype=dtype)
+    rows = query.reshape(batch, HKV, GROUPS, d)  # (B, Hkv, G, D): one decode query per head
+    fp_k = torch.randn(batch, HKV, FP_TOKENS, d, device=device, dtype=dtype)
+    fp_v = torch.randn_like(fp_k)
     inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, device=device).float() / d))
     scale = d ** -0.5
     ledger_bytes = sum(ledger.nbytes_by_component().values())
-    fp_bytes = k.nbytes + v.nbytes
+
+    def fused():
+        parts = lowbit_attention(rows, ledger, count, 5, inv_freq, 1.0, scale)
+        fp_out, fp_lse = fp_attention_with_lse(query, fp_k, fp_v, scale, causal_tail=False)
+        return merge(*parts[:2], fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3]), parts[2], ids, count)
 
     def dequant_sdpa():
         keys_, values_ = dequantized_keys_reference(ledger, 5, inv_freq, 1.0, dtype)
         return torch.nn.functional.scaled_dot_product_attention(query, keys_, values_, scale=scale, enable_gqa=True)
 
     runs = {
-        "kernel": (lambda: quant_attention(query, ledger, 5, inv_freq, 1.0, scale), ledger_bytes),
-        "dequant+sdpa": (dequant_sdpa, ledger_bytes + 2 * fp_bytes),
-        "sdpa_fp": (lambda: torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale,
-                                                                             enable_gqa=True), fp_bytes),
+        "fused": (fused, ledger_bytes + fp_k.nbytes + fp_v.nbytes),
+        "old_kernel": (lambda: quant_attention(query, ledger, 5, inv_freq, 1.0, scale), ledger_bytes),
+        "dequant+sdpa": (dequant_sdpa, ledger_bytes + k.nbytes + v.nbytes),
+        "sdpa_bf16": (lambda: torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale,
+                                                                               enable_gqa=True), k.nbytes + v.nbytes),
     }
-    peak = peak_bandwidth(device)
-    rows = []
+    rows_out = []
     for name, (fn, nbytes) in runs.items():
         seconds = timed(fn, device, repeats)
-        rows.append({"impl": name, "batch": batch, "keys": keys, "bits": bits, "seconds": seconds, "bytes": nbytes,
-                     "bandwidth": nbytes / seconds, "peak_fraction": nbytes / seconds / peak if peak else None})
-    return rows
+        rows_out.append({"impl": name, "batch": batch, "keys": keys, "bits": bits, "seconds": seconds,
+                         "bytes": nbytes, "bandwidth": nbytes / seconds})
+    return rows_out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--keys", default="4096,16384,65536,131072")
-    parser.add_argument("--batch", default="1,8,32")
-    parser.add_argument("--bits", type=int, default=2)
+    parser.add_argument("--keys", default="8192,32768")
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(RESULTS / "kernels"))
     args = parser.parse_args(argv)
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on CPU the kernel runs in Triton's interpreter: set TRITON_INTERPRET=1")
-    meta = run_metadata("synthetic (8 KV heads x 4, head_dim 128)", args.device)
-    rows = []
-    for batch in [int(b) for b in args.batch.split(",")]:
-        for keys in [int(k) for k in args.keys.split(",")]:
-            try:
-                found = case(batch, keys, args.bits, args.device, args.repeats)
-            except torch.cuda.OutOfMemoryError:
-                print(f"skip batch {batch} keys {keys}: out of memory")
-                continue
-            for row in found:
-                rows.append({**row, **meta})
-                frac = f"{row['peak_fraction']:.0%} of peak" if row["peak_fraction"] else ""
-                print(f"b={batch:3d} keys={keys:7d} {row['impl']:13s} {1e6 * row['seconds']:9.1f} us "
-                      f"{row['bandwidth'] / 1e9:8.1f} GB/s {frac}", flush=True)
-            out = Path(args.out)  # after each size: a run cut short keeps what it measured
-            out.mkdir(parents=True, exist_ok=True)
-            path = out / f"kernels-{args.device.split(':')[0]}-int{args.bits}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        raise SystemExit("on a CPU the kernels run in Triton's interpreter: set TRITON_INTERPRET=1")
+    meta = run_metadata("synthetic layer (8 KV heads x 4, head_dim 128)", args.device)
+    ceiling = copy_bandwidth(args.device, args.repeats)
+    rows = [{"impl": "copy", "bandwidth": ceiling, **meta}] if ceiling else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{args.device.split(':')[0]}-int{args.bits}.jsonl"
+    sizes = [(int(b), int(k)) for b in args.batch.split(",") for k in args.keys.split(",")]
+    for batch, keys in tqdm(sizes, desc="kernels", unit="size"):
+        try:
+            found = case(batch, keys, args.bits, args.device, args.repeats)
+        except torch.cuda.OutOfMemoryError:
+            tqdm.write(f"skip batch {batch} keys {keys}: out of memory")
+            continue
+        for row in found:
+            row["ceiling_fraction"] = row["bandwidth"] / ceiling if ceiling else None
+            rows.append({**row, **meta})
+            frac = f"{row['ceiling_fraction']:.0%} of the copy" if ceiling else ""
+            tqdm.write(f"b={batch:3d} keys={keys:7d} {row['impl']:13s} {1e6 * row['seconds']:9.1f} us "
+                       f"{row['bandwidth'] / 1e9:8.1f} GB/s {frac}")
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # after each size: a cut-short run keeps it
     print(f"wrote {path}")
 
 

@@ -26,7 +26,14 @@ from qevict_core.timing import sync
 def profile_steps(model, tokenizer, method: str, budget: float, context: int, batch: int, steps: int):
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, model, context, batch, device)
-    cache = Variant.parse(method).make_cache(model, budget, context + steps + 1, batch_size=batch)
+    variant = Variant.parse(method)
+    with torch.inference_mode():  # a warm-up at the profiled shape: kernels compile here, not in the profile
+        warm = variant.make_cache(model, budget, context + steps + 1, batch_size=batch)
+        token = prefill(model, prompt, warm, None).argmax(-1, keepdim=True)
+        for _ in range(min(steps, 10)):
+            token = call(model, token, warm, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        del warm
+    cache = variant.make_cache(model, budget, context + steps + 1, batch_size=batch)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
         token = prefill(model, prompt, cache, None).argmax(-1, keepdim=True)

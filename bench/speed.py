@@ -12,10 +12,14 @@ measured in the same process.
 ``auto``, which is what users get (on CPU: the C kernel when a compiler builds it). ``method/N`` reads the prompt
 in chunks of N tokens (``qevict_core.generation.prefill``); ratios are always against ``fullkv``, which reads it whole.
 
-Every method runs alone (no shared prefill), after a warm-up run, ``repeats`` times, methods interleaved; medians
-are reported. TTFT = prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N /
-(t_end - t_start); routing overhead = (median routing step - median plain step) / Ω, as a share of the plain step.
-The warm-up runs the method it times, on a prompt of at most 1024 tokens. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
+Every method runs alone (no shared prefill), after a warm-up run at the timed shape (the same prompt and batch,
+so a GPU compiles every kernel at the sizes it then runs), ``repeats`` times, methods interleaved; medians are
+reported. On a GPU each step is timed by CUDA events read after the run (no host sync between steps). TTFT =
+prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * N / (t_end - t_start); plain and
+routing steps are reported apart (medians), and the routing overhead = (routing step - plain step) / Ω as a share
+of the plain step. ``--baseline fullkv_static`` takes ratios against FullKV preallocated and written in place (the
+fair GPU baseline: the growing FullKV copies its cache every step); ``--prefill-chunk N`` reads every prompt that
+can be in chunks of N, so that peak memory compares the caches, not the prefill. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
 its level after loading the model and warming up, from the kernel's high-water mark (``PeakRSS``). KV bytes are
 the cache's measured bytes (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
@@ -43,18 +47,19 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from qevict_core import BudgetTooSmall
 from qevict_core.backends import choose
-from qevict_core.timing import sync
 from qevict_core.generation.model_call import call
 from qevict_core.generation.prefill import prefill
 
 from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
 
-RANDOM_MODELS = {  # shapes of public 7-8B models, random weights: no download needed
+RANDOM_MODELS = {  # shapes of public models, random weights: no download needed
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
 }
 
 
@@ -62,15 +67,19 @@ def load(model_name: str | None, device: str | None, threads: int | None):
     if model_name and model_name.startswith("random:"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from qevict_core.engine.attention import use_qevict_attention
-
         if threads:
             torch.set_num_threads(threads)
         device = device or "cuda"
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        with torch.device(device):
-            model = LlamaForCausalLM(LlamaConfig(**RANDOM_MODELS[model_name.split(":", 1)[1]])).to(dtype).eval()
-        use_qevict_attention(model)
+        with torch.device("meta"):  # no float32 copy of 8B weights: built empty, then initialised in place
+            model = LlamaForCausalLM(LlamaConfig(**RANDOM_MODELS[model_name.split(":", 1)[1]]))
+        model = model.to_empty(device=device).to(dtype).eval()
+        model.tie_weights()  # to_empty gives tied parameters storage of their own
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0)
+        # to_empty left the rotary module's inverse frequencies unset (and .to(dtype) would round them): rebuilt
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
         return model, None, run_metadata(model_name, device)
     return setup(model_name, device, threads)
 
@@ -127,35 +136,66 @@ def release_free_memory() -> None:
         pass
 
 
-def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int) -> dict:
+def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int,
+            chunk: int | None = None) -> dict:
     device = prompt.device
     variant = Variant.parse(method)
-    chunk = variant.chunk
+    chunk = variant.chunk or (chunk if variant.chunk is None and chunk and chunkable(variant) else None)
     cache = variant.make_cache(model, budget, prompt.shape[1] + new_tokens, batch_size=prompt.shape[0])
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
         release_free_memory()
-    steps: list[tuple[float, bool]] = []  # (seconds, routed) per decode step
+    clock = StepClock(device)
+    routed: list[bool] = []
     with PeakRSS() as rss, torch.inference_mode():
-        sync(device)
-        start = time.perf_counter()
+        clock.mark()
         token = prefill(model, prompt, cache, chunk).argmax(-1, keepdim=True)
-        sync(device)
-        first = time.perf_counter()
+        clock.mark()
         for _ in range(new_tokens - 1):
-            began = time.perf_counter()
             token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-            sync(device)
-            steps.append((time.perf_counter() - began, cache.routed()))
-        end = time.perf_counter()
+            clock.mark()
+            routed.append(cache.routed())
+        seconds = clock.seconds()  # one wait for the device, after the run: no host sync between steps
+    steps = list(zip(seconds[1:], routed))  # (seconds, routed) per decode step
+    prefill_s, decode_s = seconds[0], sum(seconds[1:])
     report = cache.memory_report()
-    return {"ttft": first - start, "tpot": (end - first) / max(1, new_tokens - 1),
-            "throughput": prompt.shape[0] * new_tokens / (end - start),
+    return {"ttft": prefill_s, "tpot": decode_s / max(1, new_tokens - 1),
+            "throughput": prompt.shape[0] * new_tokens / (prefill_s + decode_s),
             "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak,
             "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"],
             **routing_overhead(steps)}
+
+
+def chunkable(variant: Variant) -> bool:
+    from qevict_core.registry import METHODS
+
+    return variant.method in ("fullkv", "fullkv_static") or METHODS[variant.method].family == "qevict" \
+        and variant.method != "qevict_head"
+
+
+class StepClock:
+    """Times between marks: CUDA events on a GPU (read once at the end, so the steps are never stalled by the
+    timer), the wall clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def routing_overhead(steps: list[tuple[float, bool]]) -> dict:
@@ -168,30 +208,31 @@ def routing_overhead(steps: list[tuple[float, bool]]) -> dict:
     base = statistics.median(plain)
     extra = statistics.median(routing) - base
     interval = len(steps) / len(routing)
-    return {"plain_step": base, "routing_extra": extra, "routing_share": extra / interval / base}
+    return {"plain_step": base, "routing_step": statistics.median(routing), "routing_extra": extra,
+            "routing_share": extra / interval / base}
 
 
 def measure(args, model, tokenizer, device, method: str, budget: float | None, context: int) -> dict:
     """One timed run; on CPU in a fresh process so that its peak memory is its own."""
     if device.type == "cuda":
-        return warm_then_run(model, tokenizer, method, budget, context, args.batch, args.new_tokens)
+        return warm_then_run(model, tokenizer, method, budget, context, args.batch, args.new_tokens,
+                             args.prefill_chunk)
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_isolated_run, args.model, args.threads, method, budget, context, args.batch,
-                           args.new_tokens).result()
+                           args.new_tokens, args.prefill_chunk).result()
 
 
-def _isolated_run(model_name, threads, method, budget, context, batch, new_tokens) -> dict:
+def _isolated_run(model_name, threads, method, budget, context, batch, new_tokens, chunk) -> dict:
     model, tokenizer, _ = load(model_name, "cpu", threads)
-    return warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens)
+    return warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens, chunk)
 
 
-def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens) -> dict:
+def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens, chunk=None) -> dict:
+    """A warm-up at the timed shape (the same prompt, with a routing event or two), then the timed run: on a GPU
+    the warm-up compiles every kernel the timed steps launch, at the sizes they launch them."""
     prompt = prompt_ids(tokenizer, model, context, batch, next(model.parameters()).device)
-    try:  # warm up the method itself (its code paths, allocator, caches of the model) on a shorter prompt
-        one_run(model, method, budget, prompt[:, :min(context, 1024)], 16)
-    except BudgetTooSmall:
-        one_run(model, method, None, prompt[:, :min(context, 1024)], 16)
-    return one_run(model, method, budget, prompt, new_tokens)
+    one_run(model, method, budget, prompt, min(new_tokens, 20), chunk)
+    return one_run(model, method, budget, prompt, new_tokens, chunk)
 
 
 def prompt_ids(tokenizer, model, length: int, batch: int, device) -> torch.Tensor:
@@ -216,6 +257,10 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default="fullkv",
+                        help="the method ratios are taken against (fullkv_static: FullKV preallocated, for GPUs)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="every method that can reads the prompt in chunks of this many tokens (a fair peak)")
     parser.add_argument("--out", default=str(RESULTS / "speed"))
     parser.add_argument("--mmap-threshold", type=int, default=None,
                         help="start each CPU run with MALLOC_MMAP_THRESHOLD_ set to this many bytes (glibc)")
@@ -250,13 +295,14 @@ def main(argv=None) -> None:
         results = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
         for method, res in results.items():
             print(f"{context:>6} {method:18s} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
-        base = results.get("fullkv")
+        base = results.get(args.baseline)
         for method, res in results.items():
             ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
                       if base and base[k]}
             rows.append({"method": method, "budget": budget_of[method],
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
-                         "repeats": args.repeats, **res, **ratios, **meta})
+                         "repeats": args.repeats, "baseline": args.baseline, "prefill_chunk": args.prefill_chunk,
+                         **res, **ratios, **meta})
         write_rows(Path(args.out), args, meta, rows)  # after each context: a run cut short keeps what it measured
 
 

@@ -132,6 +132,9 @@ HEADWISE = dict(pool=1, pool_direction="forward", pool_weight=0.1, head_floor=1.
 METHODS: dict[str, MethodSpec] = {
     "fullkv": MethodSpec(_cache("fullkv", "FullKVCache"), "reference", text=(
         "Uncompressed cache: every token in full precision (the reference).", "transformers DynamicCache semantics")),
+    "fullkv_static": MethodSpec(_cache("fullkv", "StaticFullKVCache"), "reference", "ablation", text=(
+        "FullKV in buffers sized for max_length, each token written in place (a server's or StaticCache's layout): "
+        "the speed baseline on a GPU.", "transformers StaticCache semantics")),
     "qevict": MethodSpec(_qevict("qevict"), "qevict", text=(
         "QEvict: most windows of past tokens in 4 bits that still take part in attention and can be promoted back, "
         "the most-attended in full precision when the bytes allow, the rest evicted.",

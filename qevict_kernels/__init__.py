@@ -1,13 +1,11 @@
-"""Triton kernels for QEvict's low-bit tier, each with a PyTorch ``*_reference`` doing the same math.
+"""Kernels for QEvict's low-bit tier, each with a PyTorch reference doing the same math. A leaf: they take tensors
+and never import the engine (``packed.PackedWindows`` declares what they read of a tier).
 
-- ``quant_attention``: attention of queries over the packed INT2/INT4 ledger, dequantized and re-rotated in
-  registers, GQA-aware, split over keys; returns output and log-sum-exp so segments merge exactly.
-- ``window_mass``: per-key attention mass of a step's queries from their log-sum-exp, for routing, without
-  materialising attention rows.
-- ``merge``: exact log-sum-exp merge of attention segments and the full-precision segment with its LSE.
+- ``lowbit_attention``: one split-K Triton pass of a step's queries over the packed INT2/INT4 tier (dequantized and
+  re-rotated in registers, GQA-aware), writing each window's log-sum-exp beside the output; ``merge`` joins the
+  splits with the full-precision part by log-sum-exp and turns the window log-sum-exps into routing mass.
+- ``merge``: exact log-sum-exp merge of attention segments, and the full-precision segment with its log-sum-exp.
+- ``cpu_decode`` (with ``cpu/quant_decode.c``): the CPU's counterpart for decode steps, in C compiled on first use.
 
-On CPU the kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported), which is how CI tests them.
-
-- ``cpu_decode`` (with ``cpu/quant_decode.c``): the CPU's counterpart for decode steps, in C compiled on first use:
-  logits of queries against the packed tier and probability-weighted dequantized values, with PyTorch references.
+On a CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (set before triton is imported), as the tests do.
 """

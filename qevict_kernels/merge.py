@@ -45,12 +45,20 @@ def fp_attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def _fused(query, keys, values, scale):
-    """PyTorch's flash/efficient attention kernels return the log-sum-exp; plain math where they cannot run."""
+    """PyTorch's fused attention with its log-sum-exp: FlashAttention-2 (SDPA's flash backend) on a GPU for half
+    precision, else the memory-efficient kernel, the CPU's flash kernel on a CPU; plain math where none runs."""
     try:
         if query.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, False,
                                                                                  scale=scale)[:2]
             return out, lse
+        if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, 0.0, False, False,
+                                                                          scale=scale)[:2]
+            return out, lse
+    except RuntimeError:
+        pass
+    try:
         if query.device.type == "cuda":
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, keys, values, None, True, 0.0, False, scale=scale)[:2]

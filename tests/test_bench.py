@@ -303,11 +303,11 @@ def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
 def test_kernel_microbenchmark_smoke(tmp_path):
     from bench import kernels
 
-    kernels.main(["--device", "cpu", "--keys", "64", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
+    kernels.main(["--device", "cpu", "--keys", "512", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
     rows = read_jsonl(list(tmp_path.glob("*.jsonl")))
-    assert {r["impl"] for r in rows} == {"kernel", "dequant+sdpa", "sdpa_fp"}
+    assert {r["impl"] for r in rows} == {"fused", "old_kernel", "dequant+sdpa", "sdpa_bf16"}
     by = {r["impl"]: r for r in rows}
-    assert by["kernel"]["bytes"] < by["sdpa_fp"]["bytes"] / 3  # INT2 codes + scales vs fp32 keys and values
+    assert by["fused"]["bytes"] < by["sdpa_bf16"]["bytes"] / 2  # INT4 codes + scales vs fp32 keys and values
 
 
 def test_cpu_kernel_microbenchmark_times_every_pair_dtype_against_float32(capsys):

@@ -1,17 +1,19 @@
-"""Triton kernels against their PyTorch references (on CPU through TRITON_INTERPRET=1), and the engine with the
-kernel path forced against the PyTorch path.
+"""The Triton kernels against their PyTorch references (on a CPU through TRITON_INTERPRET=1, on CUDA compiled), and
+the engine with the kernel path forced against the PyTorch path.
 
-Tolerances follow flash-attn's tests: the kernel's error against the float32 reference must stay within twice the
-error of the same math done in bfloat16 (plus a small floor)."""
+The fused low-bit kernel's error against the float32 reference must stay within twice the error of the same math in
+bfloat16 (plus a small floor), as flash-attn's tests hold theirs; the routing mass must be conserved: every row's
+attention sums to one over the low-bit and the full-precision keys together."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 
-from qevict_kernels.merge import fp_attention_with_lse, merge_attention
-from qevict_kernels.quant_attention import quant_attention, quant_attention_reference
-from qevict_kernels.window_mass import fp_mass, mass_reference, quant_mass, quant_mass_reference
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import WindowLedger
+from qevict_kernels.lowbit_attention import dequantized_keys_reference, lowbit_attention, lowbit_reference, merge
+from qevict_kernels.merge import fp_attention_with_lse, merge_attention
 from tests.conftest import KV, random_prompt, tiny_model
 
 SINKS = 5
@@ -39,73 +41,111 @@ def make_ledger(batch, hkv, windows, omega, d, bits, seed=0, dtype=torch.float32
 def within_low_precision_error(out, ref32, ref_lp, floor=1e-5):
     assert (out - ref32).abs().max() <= 2 * (ref_lp - ref32).abs().max() + floor
 
+# (batch, kv heads, GQA ratio, query length, live windows, capacity, Ω, head_dim, bits, scale dtype): T = 97 + 1
+# windows of 8 = 104 and 1025 + 7 = 1032 tokens, GQA 1/3/4, head_dim 64/128, INT2/INT4, decode and a short chunk,
+# a tier filled below its capacity, half-precision and float32 scales.
+CASES = [(1, 2, 1, 1, 13, 13, 8, 64, 2, torch.float32), (1, 1, 3, 1, 129, 129, 8, 64, 4, torch.float16),
+         (2, 2, 4, 2, 9, 16, 8, 128, 2, torch.bfloat16), (1, 3, 3, 1, 21, 24, 4, 64, 4, torch.float32),
+         (1, 2, 4, 1, 5, 7, 16, 128, 4, torch.float16)]
 
-# (batch, kv heads, GQA ratio, query length, windows, Ω, head_dim, bits): T = 97 and 1025 tokens, windows of 25
-# tokens straddling 64-token blocks, GQA 1/3/4, head_dim 64/128, INT2/INT4, decode and short chunks.
-CASES = [(1, 2, 1, 1, 97, 1, 64, 2), (1, 1, 3, 1, 41, 25, 64, 4), (2, 2, 4, 3, 13, 8, 128, 2),
-         (1, 3, 3, 1, 12, 8, 64, 2), (1, 2, 4, 4, 7, 32, 128, 4)]
+
+def case_id(c):
+    return f"w{c[4]}of{c[5]}-g{c[2]}-q{c[3]}-o{c[6]}-d{c[7]}-int{c[8]}-{str(c[9]).split('.')[-1]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[4] * c[5]}-g{c[2]}-d{c[6]}-int{c[7]}-q{c[3]}")
-def test_quant_attention_matches_reference(case):
-    b, hkv, g, lq, windows, omega, d, bits = case
-    ledger = make_ledger(b, hkv, windows, omega, d, bits)
-    query = randn(b, hkv * g, lq, d, generator=torch.Generator().manual_seed(1))
+def rows_of(query: torch.Tensor, hkv: int) -> torch.Tensor:
+    b, hq, lq, d = query.shape
+    return query.reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): a group's heads, then its queries
+
+
+def setup(case, seed=0):
+    b, hkv, g, lq, live, cap, omega, d, bits, dtype = case
+    ledger = make_ledger(b, hkv, cap, omega, d, bits, seed=seed, param_dtype=dtype)
+    rows = rows_of(randn(b, hkv * g, lq, d, generator=torch.Generator().manual_seed(seed + 1)), hkv)
+    count = torch.full((b,), live, dtype=torch.int32, device=DEVICE)
+    live_ledger = ledger.select(torch.arange(live, device=DEVICE).expand(b, -1))
+    return ledger, live_ledger, rows, count
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_split_kernel_matches_the_reference_over_the_live_windows(case):
+    ledger, live, rows, count = setup(case)
+    d = rows.shape[-1]
     args = (SINKS, inv_freq(d), 1.0, d ** -0.5)
-    out, lse = quant_attention(query, ledger, *args)
-    ref, ref_lse = quant_attention_reference(query, ledger, *args)
-    low, low_lse = quant_attention_reference(query, ledger, *args, dtype=torch.bfloat16)
+    parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, *args, splits=3)
+    lse = torch.logsumexp(parts_lse, dim=2)
+    out = (parts_out * torch.exp(parts_lse - lse.unsqueeze(2)).nan_to_num(0.0).unsqueeze(-1)).sum(2)
+    ref, ref_lse, ref_win = lowbit_reference(rows, live, *args)
+    low, low_lse, low_win = lowbit_reference(rows, live, *args, dtype=torch.bfloat16)
     within_low_precision_error(out, ref, low)
     within_low_precision_error(lse, ref_lse, low_lse)
+    n = case[4]
+    within_low_precision_error(win_lse[:, :, :n], ref_win, low_win)
+    assert torch.isinf(win_lse[:, :, n:]).all()  # windows past the live count are never read
 
 
-def test_quant_attention_reads_bfloat16_ledgers():
-    ledger = make_ledger(1, 2, 9, 8, 64, 2, dtype=torch.bfloat16)
-    query = randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
+def test_merge_with_the_full_precision_part_conserves_the_mass(case):
+    """out and lse of [low-bit | full precision] equal attention over both at once, and Σ window mass + Σ full-
+    precision mass = G·L per KV head: the mass the routing folds is every row's attention, nothing lost."""
+    ledger, live, rows, count = setup(case, seed=3)
+    b, hkv, r, d = rows.shape
+    gen = torch.Generator().manual_seed(7)
+    fp_k, fp_v = randn(b, hkv, 37, d, generator=gen), randn(b, hkv, 37, d, generator=gen)
+    args = (SINKS, inv_freq(d), 1.0, d ** -0.5)
+    parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, *args, splits=2)
+    fp_out, fp_lse = fp_attention_with_lse(rows, fp_k, fp_v, d ** -0.5, causal_tail=False)
+    out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
+    keys, values = _reference_keys(live, d)
+    all_k, all_v = torch.cat([keys, fp_k], dim=2), torch.cat([values, fp_v], dim=2)
+    scores = rows @ all_k.transpose(2, 3) * d ** -0.5
+    torch.testing.assert_close(out, scores.softmax(-1) @ all_v, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=0, atol=3e-2)
+    fp_mass = torch.exp(rows @ fp_k.transpose(2, 3) * d ** -0.5 - lse.unsqueeze(-1)).sum(2)  # (B, Hkv, 37)
+    total = mass.sum(-1) + fp_mass.sum(-1)
+    torch.testing.assert_close(total, torch.full_like(total, r), rtol=1e-3, atol=1e-3)
+    assert (mass[:, :, case[4]:] == 0).all()
+    per_window = torch.exp(scores[..., :keys.shape[2]] - lse.unsqueeze(-1)).reshape(
+        b, hkv, r, case[4], -1).sum(dim=(2, 4))
+    torch.testing.assert_close(mass[:, :, :case[4]], per_window, rtol=3e-2, atol=3e-3)
+
+
+def _reference_keys(live, d):
+    return dequantized_keys_reference(live, SINKS, inv_freq(d), 1.0)
+
+
+def test_an_empty_tier_contributes_nothing():
+    case = (1, 2, 2, 1, 0, 4, 8, 64, 4, torch.float32)
+    ledger, _, rows, count = setup(case)
+    parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, SINKS, inv_freq(64), 1.0, 0.125, splits=2)
+    assert torch.isinf(parts_lse).all() and torch.isinf(win_lse).all()
+    fp_out, fp_lse = torch.ones(1, 2, 2, 64, device=DEVICE), torch.zeros(1, 2, 2, device=DEVICE)
+    out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
+    assert torch.equal(out, fp_out) and torch.equal(lse, fp_lse) and not mass.any()
+
+
+def test_bfloat16_ledgers_and_queries():
+    case = (1, 2, 3, 1, 9, 9, 8, 64, 2, torch.bfloat16)
+    ledger, live, rows, count = setup(case)
+    rows = rows.bfloat16()
     args = (SINKS, inv_freq(64), 1.0, 0.125)
-    out, _ = quant_attention(query, ledger, *args)
-    ref, _ = quant_attention_reference(query.float(), ledger, *args)
-    low, _ = quant_attention_reference(query, ledger, *args, dtype=torch.bfloat16)
-    within_low_precision_error(out, ref, low)
+    parts_out, parts_lse, _ = lowbit_attention(rows, ledger, count, *args, splits=1)
+    ref, _, _ = lowbit_reference(rows.float(), live, *args)
+    low, _, _ = lowbit_reference(rows, live, *args, dtype=torch.bfloat16)
+    within_low_precision_error(parts_out[:, :, 0], ref, low)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-def test_quant_attention_widens_half_precision_scales_exactly(param_dtype):
-    """A float32 model's ledger with narrow scales: the kernel reads them as their float32 widening, bit for bit."""
+def test_half_precision_scales_are_read_as_their_float32_widening(param_dtype):
+    """A float32 model's ledger with narrow scales: the kernel reads them as their widening, bit for bit."""
     narrow = make_ledger(1, 2, 13, 8, 64, 4, param_dtype=param_dtype)
     wide = WindowLedger(**{**vars(narrow), **{name: getattr(narrow, name).float()
                                                for name in ("k_scale", "k_zero", "v_scale", "v_zero")}})
-    query = randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1))
+    rows = randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(1))
+    count = torch.full((1,), 13, dtype=torch.int32, device=DEVICE)
     args = (SINKS, inv_freq(64), 1.0, 0.125)
-    out, lse = quant_attention(query, narrow, *args)
-    wide_out, wide_lse = quant_attention(query, wide, *args)
-    assert torch.equal(out, wide_out) and torch.equal(lse, wide_lse)
-    ref, _ = quant_attention_reference(query, narrow, *args)
-    low, _ = quant_attention_reference(query, narrow, *args, dtype=torch.bfloat16)
-    within_low_precision_error(out, ref, low)
-
-
-@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"T{c[4] * c[5]}-g{c[2]}")
-def test_window_mass_matches_reference(case):
-    b, hkv, g, _, windows, omega, d, bits = case
-    ledger = make_ledger(b, hkv, windows, omega, d, bits)
-    nq = 5
-    gen = torch.Generator().manual_seed(2)
-    query = randn(b, hkv * g, nq, d, generator=gen)
-    query_pos = torch.arange(4 * windows * omega + 40, 4 * windows * omega + 40 + nq, device=DEVICE)
-    lse = randn(b, hkv * g, nq, generator=gen) + 6
-    args = (SINKS, inv_freq(d), 1.0, d ** -0.5)
-    # Within twice the error of the same math in bfloat16: a GPU's tl.dot runs in TF32 (seen on an H200, where a
-    # fixed rtol of 1e-4 failed), the interpreter in float32.
-    within_low_precision_error(quant_mass(query, query_pos, lse, ledger, *args),
-                               quant_mass_reference(query, query_pos, lse, ledger, *args),
-                               quant_mass_reference(query, query_pos, lse, ledger, *args, dtype=torch.bfloat16))
-    keys = randn(b, hkv, 97, d, generator=gen)
-    key_pos = query_pos[-1] - 95 + torch.arange(97, device=DEVICE).expand(b, -1)  # the last two keys are in the queries' future
-    mass = fp_mass(query, query_pos, lse, keys, key_pos, d ** -0.5)
-    within_low_precision_error(mass, mass_reference(query, query_pos, lse, keys, key_pos, d ** -0.5),
-                               mass_reference(query, query_pos, lse, keys, key_pos, d ** -0.5, torch.bfloat16))
-    assert torch.all(mass[..., -1] == 0)
+    got = lowbit_attention(rows, narrow, count, *args, splits=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, lowbit_attention(rows, wide, count, *args, splits=2)))
 
 
 def test_segments_merge_exactly():

@@ -22,7 +22,8 @@ class Backend:
     steps_heads_in_one_pass: ClassVar[bool] = False  # a per-head cache's decode step runs every head at once
 
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored: bool):
-        """(out (B, L, Hq, D), mass (B, Hkv, N) or None) of a decode step, or None: the layer's PyTorch path."""
+        """(out (B, L, Hq, D), mass (B, Hkv, N) per key or None: the step folded its mass itself) of a decode step,
+        or None: the layer's PyTorch path."""
         return None
 
 
@@ -47,13 +48,12 @@ class TritonBackend(Backend):
     reads_tier_in_place = True
 
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
-        from . import triton_path as fast_path
+        from . import triton_path
 
-        merged, lse = fast_path.attend(layer, query, key, value, scaling)
-        out = merged.transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers' attention returns
-        # from the LSEs just computed, the quantized tier read in place
-        mass = fast_path.key_mass(layer, query, query_pos, lse, key, scaling) if scored else None
-        return out, mass
+        out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, scored)
+        if scored:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
+            layer.fold_windows(quant, fp_keys, query.shape[1])
+        return out, None
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:

@@ -1,40 +1,69 @@
-"""QEvict without the reconstruction tax: attention and routing scores read the low-bit tier in place.
+"""QEvict's decode step with the low-bit tier read in place by the fused Triton kernel (a CUDA GPU; a CPU only
+under TRITON_INTERPRET=1, for the tests).
 
-With kernels on, ``update`` returns only the full-precision keys (sinks | full | recent). Attention runs as
-segments merged by log-sum-exp: the full-precision segment through PyTorch's fused attention (which returns its
-LSE), the quantized segment through ``qevict_kernels.quant_attention``, which dequantizes and re-rotates the packed codes
-in registers. Right after, ``qevict_kernels.window_mass`` turns the step's exp(q·k·scale - lse) into every key's attention
-mass, which the layer folds into its score table — Eq. 1 without materialising attention rows or keeping queries.
-The prompt (nothing quantized yet) still takes SDPA and the chunked PyTorch scorer.
+``update`` returns only the full-precision keys [sinks | full | recent]. The low-bit tier goes through one split-K
+pass (``qevict_kernels.lowbit_attention``) that also writes each window's log-sum-exp; the full-precision keys
+through PyTorch's fused attention, which returns its log-sum-exp; one small kernel merges the two by log-sum-exp
+and turns the window log-sum-exps into each window's routing mass. The full-precision keys' own mass is one more
+product over those few keys. Eq. 1 without materialising attention rows or reading the low-bit keys twice.
 """
 
 from __future__ import annotations
 
 import torch
 
-def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float):
-    """-> (out (B, Hq, L, D), lse (B, Hq, L)) float32 over the full-precision keys and the quantized tier."""
-    from qevict_kernels.merge import fp_attention_with_lse, merge_attention
-    from qevict_kernels.quant_attention import quant_attention
 
-    parts = [fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=query.shape[2] > 1)]
-    if layer.quant.num_windows:
-        rope = layer.owner.rope
-        parts.append(quant_attention(query, layer.quant, layer.owner.config.sinks, rope.inv_freq,
-                                     rope.attention_scaling, scaling))
-    return merge_attention(parts) if len(parts) > 1 else parts[0]
+def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float,
+           scored: bool):
+    """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent], whose last L keys are the
+    queries' own tokens. -> out (B, L, Hq, D) in the query dtype, and when ``scored`` the mass of the step's
+    queries on each low-bit window (B, nQ) and on each full-precision key (B, n), summed over the KV heads."""
+    from qevict_kernels.lowbit_attention import lowbit_attention, merge
+    from qevict_kernels.merge import fp_attention_with_lse
+
+    b, hq, lq, d = query.shape
+    hkv = fp_keys.shape[1]
+    rows = query.reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
+    fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
+    fp_out, fp_lse = fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3])  # (B, Hq, L, ·) as rows
+    quant, owner = layer.quant, layer.owner
+    if quant.num_windows:
+        count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
+        rope = owner.rope
+        parts = lowbit_attention(rows, quant, count, owner.config.sinks, rope.inv_freq, rope.attention_scaling,
+                                 scaling, splits=splits(owner, rows), step=step_table(owner, quant.omega))
+        out, lse, window_mass = merge(parts[0], parts[1], fp_out, fp_lse, parts[2], quant.ids, count)
+    else:
+        out, lse, window_mass = fp_out, fp_lse, fp_out.new_zeros(b, hkv, 0)
+    out = out.reshape(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
+    if not scored:
+        return out, None, None
+    logits = rows.float() @ fp_keys.float().transpose(2, 3) * scaling  # (B, Hkv, G*L, n)
+    if lq > 1:  # the queries' own tokens: bottom-right causal
+        later = torch.ones(lq, lq, dtype=torch.bool, device=query.device).triu_(1)
+        logits.view(b, hkv, hq // hkv, lq, -1)[..., -lq:].masked_fill_(later, float("-inf"))
+    fp_mass = torch.exp(logits - lse.unsqueeze(-1)).sum(dim=2)  # (B, Hkv, n)
+    return out, window_mass.sum(dim=1), fp_mass.sum(dim=1)
 
 
-def key_mass(layer, query: torch.Tensor, query_pos: torch.Tensor, lse: torch.Tensor, fp_keys: torch.Tensor,
-             scaling: float) -> torch.Tensor:
-    """(B, Hkv, N) attention mass of this step's queries on every key, laid out [quantized | full precision] like
-    the keys of the PyTorch path, summed over each group's query heads."""
-    from qevict_kernels.window_mass import fp_mass, quant_mass
+def splits(owner, rows: torch.Tensor) -> int:
+    """Programs per (row, KV head), from the tier's planned capacity, not what it holds now: the kernel is compiled
+    for one split count and never again (a count that followed the tier would recompile as it fills)."""
+    from qevict_kernels.lowbit_attention import default_splits, tile_windows
 
-    masses = []
-    if layer.quant.num_windows:
-        rope = layer.owner.rope
-        masses.append(quant_mass(query, query_pos, lse, layer.quant, layer.owner.config.sinks, rope.inv_freq,
-                                 rope.attention_scaling, scaling))
-    masses.append(fp_mass(query, query_pos, lse, fp_keys, layer.fp_positions(), scaling))
-    return torch.cat(masses, dim=2)
+    count = getattr(owner, "_lowbit_splits", None)
+    if count is None:
+        b, hkv, _, d = rows.shape
+        count = owner._lowbit_splits = default_splits(max(1, owner.plan.k_quant), b, hkv,
+                                                      tile_windows(d, owner.config.omega), rows.device)
+    return count
+
+
+def step_table(owner, omega: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of t·f, t < Ω: the same for every window, layer and step of a cache, so built once."""
+    from qevict_kernels.lowbit_attention import step_table as build
+
+    table = getattr(owner, "_rope_step_table", None)
+    if table is None:
+        table = owner._rope_step_table = build(owner.rope.inv_freq, omega)
+    return table

@@ -1,4 +1,9 @@
-"""The uncompressed reference: every token in full precision, reported like every other method."""
+"""The uncompressed reference: every token in full precision, reported like every other method.
+
+``fullkv`` grows with the sequence, as transformers' DynamicCache does: the bytes a run holds are its tokens', which
+the studio draws step by step. ``fullkv_static`` holds room for ``max_length`` tokens from the start and writes each
+token in place, as a server or transformers' StaticCache does: no copy of the cache per step, the fair baseline
+of a speed comparison on a GPU (the growing one re-concatenates every layer's keys and values at every step)."""
 
 from __future__ import annotations
 
@@ -30,9 +35,37 @@ class FullKVLayer(ReportingLayer):
 class FullKVCache(ReportingCache):
     method = "fullkv"
     chunked_prefill = "exact"
+    layer_class: type = FullKVLayer
 
     def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
         shape = KVShape.from_model(model, batch_size)
-        layers = [FullKVLayer(i, self) for i in range(shape.num_layers)]
+        layers = [self.layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)
+
+
+class StaticFullKVLayer(FullKVLayer):
+    """Keys and values in buffers for ``max_length`` tokens; attention reads the first ``seen`` of them (a view)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        length = self.owner.max_length
+        self.key_buffer = key_states.new_empty(b, h, length, d)
+        self.value_buffer = value_states.new_empty(b, h, length, value_states.shape[-1])
+        self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+        self.is_initialized = True
+
+    def append(self, key_states, value_states):
+        end = self.seen + key_states.shape[2]
+        self.key_buffer[:, :, self.seen:end] = key_states
+        self.value_buffer[:, :, self.seen:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes} if self.is_initialized else {}
+
+
+class StaticFullKVCache(FullKVCache):
+    method = "fullkv_static"
+    layer_class = StaticFullKVLayer

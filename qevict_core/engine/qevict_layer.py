@@ -160,20 +160,28 @@ class QEvictLayer(ReportingLayer):
 
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
         """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
-        the score table; Eq. 1 averages over the ``q_heads`` query heads.
+        the score table; Eq. 1 averages over the ``q_heads`` query heads."""
+        n_quant = self.quant.num_windows * self._grid[1]
+        per_key = kv_mass.sum(dim=1)  # (B, N)
+        quant = per_key[:, :n_quant].reshape(per_key.shape[0], -1, self._grid[1]).sum(dim=2)  # (B, nQ)
+        self.fold_windows(quant, per_key[:, n_quant:], q_heads)
+
+    def fold_windows(self, quant: torch.Tensor, fp_keys: torch.Tensor, q_heads: int) -> None:
+        """This step's mass into the score table: ``quant`` (B, nQ) per window of the quantized tier (a kernel that
+        reads the tier in place gives it so), ``fp_keys`` (B, N) per key of [sinks | full | recent], each summed
+        over the KV heads; Eq. 1 averages over the ``q_heads`` query heads.
 
         Every tier after the sinks holds whole windows in that order (the recent region's last one may be partial),
         so a window's mass is a sum over Ω consecutive keys, credited to the tiers' window ids: no per-key positions
         (building and binning them cost more than the sums on a 4K decode step)."""
-        omega = self.owner.config.omega
-        per_key = kv_mass.sum(dim=1)  # (B, N)
-        b, n_quant = per_key.shape[0], self.quant.num_windows * omega
-        full_start = n_quant + self.sink_k.shape[2]
-        pad = -(per_key.shape[1] - self.sink_k.shape[2]) % omega
-        parts = [per_key[:, :n_quant]] if n_quant else []
-        parts += [per_key[:, full_start:]] + ([per_key.new_zeros(b, pad)] if pad else [])
-        tokens = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        per_window = tokens.reshape(b, tokens.shape[1] // omega, omega).sum(dim=2).div_(q_heads)  # (B, M)
+        omega, sinks = self._grid[1], self.sink_k.shape[2]
+        b = fp_keys.shape[0]
+        pad = -(fp_keys.shape[1] - sinks) % omega
+        tokens = fp_keys[:, sinks:]
+        if pad:
+            tokens = torch.cat([tokens, fp_keys.new_zeros(b, pad)], dim=1)
+        fp_windows = tokens.reshape(b, tokens.shape[1] // omega, omega).sum(dim=2)
+        per_window = (torch.cat([quant, fp_windows], dim=1) if quant.shape[1] else fp_windows).div_(q_heads)
         self.owner.scorer.fold(self.scores, self.interval, self._fold_ids(per_window.shape[1]), per_window)
 
     def _fold_ids(self, num: int) -> torch.Tensor:

@@ -1,10 +1,7 @@
-"""Attention over the quantized tier straight from the ledger: no dequantized copy, no chronological rebuild.
-
-Every key of the low-bit tier is older than every query (queries are the newest tokens), so no mask is needed.
-One program handles one (batch, KV head, key split): the G query heads of the group (times the query length) form
-the rows of one tile, so each key tile is dequantized and rotated once for the whole group. Splits are merged by
-log-sum-exp (flash-decoding), and the result is merged with the full-precision segment the same way (merge.py).
-"""
+"""The first Triton path's attention kernel (superseded by ``qevict_kernels.lowbit_attention``), kept as the baseline
+``bench.kernels`` times the fused kernel against: one program per (row, KV head, split), keys decoded per channel
+and again for its RoPE partner, a precise sine and cosine per element, float32 dots, no window log-sum-exp (its
+routing mass needed a second pass over the keys). Layout as the engine's ``WindowLedger``."""
 
 from __future__ import annotations
 
@@ -15,8 +12,41 @@ import triton
 import triton.language as tl
 
 
-from .packed import PackedWindows, window_positions
-from .ledger_tiles import load_keys, load_values
+@triton.jit
+def load_codes(codes_ptr, tok, dims, tmask, BITS: tl.constexpr, D: tl.constexpr):
+    row: tl.constexpr = D * BITS // 8  # bytes per row; code c in byte c % row, bit plane c // row
+    packed = tl.load(codes_ptr + tok[:, None] * row + (dims % row)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+    return ((packed >> ((dims // row) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def load_keys(k_codes_ptr, k_scale_ptr, k_zero_ptr, ids_ptr, inv_freq_ptr, rope_scale, tok, tmask,
+              SINKS: tl.constexpr, OMEGA: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
+    """-> (keys (BLOCK_N, D) post-RoPE float32, positions (BLOCK_N,))."""
+    dims = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (dims + half) % D
+    win = tok // OMEGA
+    pos = SINKS + tl.load(ids_ptr + win, mask=tmask, other=0) * OMEGA + tok % OMEGA
+    scale = tl.load(k_scale_ptr + win[:, None] * D + dims[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(k_zero_ptr + win[:, None] * D + dims[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    p_scale = tl.load(k_scale_ptr + win[:, None] * D + partner[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    p_zero = tl.load(k_zero_ptr + win[:, None] * D + partner[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    k = load_codes(k_codes_ptr, tok, dims, tmask, BITS, D) * scale + zero
+    k_partner = load_codes(k_codes_ptr, tok, partner, tmask, BITS, D) * p_scale + p_zero
+    freq = tl.load(inv_freq_ptr + dims % half)
+    angle = pos.to(tl.float32)[:, None] * freq[None, :]
+    sign = tl.where(dims < half, -1.0, 1.0)
+    rotated = k * (tl.cos(angle) * rope_scale) + sign[None, :] * k_partner * (tl.sin(angle) * rope_scale)
+    return rotated, pos
+
+
+@triton.jit
+def load_values(v_codes_ptr, v_scale_ptr, v_zero_ptr, tok, tmask, BITS: tl.constexpr, D: tl.constexpr):
+    dims = tl.arange(0, D)
+    scale = tl.load(v_scale_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
+    zero = tl.load(v_zero_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
+    return load_codes(v_codes_ptr, tok, dims, tmask, BITS, D) * scale[:, None] + zero[:, None]
 
 
 @triton.jit
@@ -72,7 +102,7 @@ def _quant_attention_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes
     tl.store(lse_ptr + row_index, lse, mask=rmask)
 
 
-def quant_attention(query: torch.Tensor, ledger: PackedWindows, sinks: int, inv_freq: torch.Tensor,
+def quant_attention(query: torch.Tensor, ledger, sinks: int, inv_freq: torch.Tensor,
                     rope_scale: float, sm_scale: float, splits: int | None = None,
                     block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """query (B, Hq, Lq, D) post-RoPE over the ledger's windows -> (out (B, Hq, Lq, D), lse (B, Hq, Lq)), float32."""
@@ -96,32 +126,3 @@ def quant_attention(query: torch.Tensor, ledger: PackedWindows, sinks: int, inv_
     total = torch.logsumexp(lse, dim=-1)
     weights = torch.exp(lse - total.unsqueeze(-1)).nan_to_num(0.0)
     return (out * weights.unsqueeze(-1)).sum(dim=3), total
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float):
-    angle = positions.float().unsqueeze(-1) * inv_freq.float()
-    angle = torch.cat([angle, angle], dim=-1)
-    return angle.cos() * rope_scale, angle.sin() * rope_scale
-
-
-def dequantized_keys_reference(ledger: PackedWindows, sinks: int, inv_freq: torch.Tensor, rope_scale: float,
-                               dtype: torch.dtype = torch.float32):
-    """The same dequantize + re-rotate in PyTorch, computed in ``dtype``: (keys (B, Hkv, T, D), values)."""
-    keys, values = ledger.dequantize(dtype)
-    cos, sin = rope_tables(window_positions(ledger.ids, sinks, ledger.omega), inv_freq, rope_scale)
-    keys = keys.to(dtype)
-    half = keys.shape[-1] // 2
-    rotated = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
-    return keys * cos[:, None].to(dtype) + rotated * sin[:, None].to(dtype), values.to(dtype)
-
-
-def quant_attention_reference(query, ledger, sinks, inv_freq, rope_scale, sm_scale, dtype=torch.float32):
-    """PyTorch attention over the dequantized ledger, all math in ``dtype`` -> (out, lse) float32."""
-    keys, values = dequantized_keys_reference(ledger, sinks, inv_freq, rope_scale, dtype)
-    b, hq, lq, d = query.shape
-    hkv = keys.shape[1]
-    q = query.to(dtype).reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*Lq, D): the group's rows
-    scores = q @ keys.transpose(2, 3) * sm_scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ values
-    return out.reshape(b, hq, lq, d).float(), lse.reshape(b, hq, lq).float()

@@ -1,0 +1,115 @@
+"""What the fused low-bit kernels need of an sm_90 GPU (H100, H200), without one: each shipped configuration compiled
+ahead of time by Triton with its bundled ptxas, then read by ``cuobjdump --dump-resource-usage``.
+
+    python -m bench.kernel_resources [--out bench/results/kernel_resources]
+    python -m bench.kernel_resources --device cuda     # on a GPU: what its own Triton builds, for its own chip
+
+A kernel that spills (a non-zero stack) is bound by local memory; shared memory decides how many programs share an
+SM. tests/test_kernel_resources.py holds the shipped configurations to no stack and at most 100 KB of shared memory.
+With ``--device cuda`` the same configurations are compiled for the GPU at hand and its figures read from the loaded
+kernel (``n_regs``, ``n_spills``): the Triton installed there may build differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from itertools import product
+from pathlib import Path
+
+from .common import RESULTS
+
+SPLIT_SIGNATURE = {"q_ptr": "*bf16", "k_codes_ptr": "*u8", "k_scale_ptr": "*{pair}", "k_zero_ptr": "*{pair}",
+                   "v_codes_ptr": "*u8", "v_scale_ptr": "*{pair}", "v_zero_ptr": "*{pair}", "ids_ptr": "*i32",
+                   "count_ptr": "*i32", "inv_freq_ptr": "*fp32", "step_cos_ptr": "*fp32", "step_sin_ptr": "*fp32",
+                   "out_ptr": "*fp32", "lse_ptr": "*fp32", "win_lse_ptr": "*fp32", "rope_scale": "fp32",
+                   "qk_scale": "fp32", "cap": "i32", "windows_per_split": "i32"}
+MERGE_SIGNATURE = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fp_out_ptr": "*fp32", "fp_lse_ptr": "*fp32",
+                   "win_lse_ptr": "*fp32", "ids_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*fp32",
+                   "lse_ptr": "*fp32", "mass_ptr": "*fp32", "cap": "i32"}
+# (head_dim, rows = GQA group x queries, KV heads): SmolLM2 (64, 3, 3) and an 8B shape (128, 4, 8), decode steps
+SHAPES = [(64, 3, 3), (128, 4, 8)]
+
+
+def configurations() -> list[dict]:
+    """Every (kernel, constants) the engine launches on a GPU for the shapes above, INT2 and INT4, half-precision
+    pairs in float16 (the default) and bfloat16 ("model" on a bf16 model)."""
+    from qevict_kernels.lowbit_attention import tile_windows
+
+    out = []
+    for (d, rows, hkv), bits, pair in product(SHAPES, (2, 4), ("fp16", "bf16")):
+        out.append({"kernel": "split", "D": d, "R": rows, "HKV": hkv, "BITS": bits, "pair": pair,
+                    "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, SINKS=5, OMEGA=8, BITS=bits, D=d,
+                                      WB=tile_windows(d, 8), FAST_TRIG=True)})
+    for d, rows, hkv in SHAPES:
+        out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
+                    "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
+    return out
+
+
+def compile_for_sm90(config: dict, num_warps: int = 4) -> dict:
+    """-> registers, stack bytes per thread, shared memory bytes of one configuration compiled for sm_90."""
+    return _compile(config, num_warps, target="sm90")
+
+
+def compile_here(config: dict, num_warps: int = 4) -> dict:
+    """The same for this machine's GPU, read from the loaded kernel."""
+    return _compile(config, num_warps, target=None)
+
+
+def _compile(config: dict, num_warps: int, target: str | None) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qevict_kernels.lowbit_attention import _merge_kernel, _split_kernel
+
+    fn, signature = ((_split_kernel, SPLIT_SIGNATURE) if config["kernel"] == "split"
+                     else (_merge_kernel, MERGE_SIGNATURE))
+    signature = {k: v.format(pair=config["pair"]) for k, v in signature.items()}
+    constants = config["constants"]
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    if target is None:
+        compiled = triton.compile(source, options={"num_warps": num_warps})
+        compiled._init_handles()
+        return {"registers": compiled.n_regs, "stack": compiled.n_spills, "shared": int(compiled.metadata.shared)}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    return {"registers": int(found["REG"]), "stack": int(found["STACK"]), "shared": int(compiled.metadata.shared)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_resources", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "kernel_resources"))
+    parser.add_argument("--device", default="sm90", help="sm90 (ahead of time, no GPU needed) or cuda (this GPU)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    build = compile_here if args.device == "cuda" else compile_for_sm90
+    rows = []
+    for config in configurations():
+        row = {k: v for k, v in config.items() if k != "constants"} | build(config) | {"target": args.device}
+        rows.append(row)
+        print(f"{row['kernel']:6s} D={row['D']:3d} R={row['R']} INT{row['BITS'] or '-'} {row['pair'] or '':4s} "
+              f"registers {row['registers']:3d}  stack/spills {row['stack']:4d}  shared {row['shared'] / 1024:6.1f} KB")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.device}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
