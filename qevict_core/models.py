@@ -83,6 +83,15 @@ def convert_bundled(target: Path) -> Path:
     return target
 
 
+def bundled_model_dir() -> Path:
+    """The bundled model as a Hugging Face folder (converted from its GGUF file on first use): what vLLM, or any
+    tool that reads such a folder, loads."""
+    source = converted_dir()
+    if not (source / "model.safetensors").is_file():
+        convert_bundled(source)
+    return source
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -117,9 +126,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: torch.
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if name in (None, DEFAULT_MODEL):
-        source = converted_dir()
-        if not (source / "model.safetensors").is_file():
-            convert_bundled(source)
+        source = bundled_model_dir()
     elif Path(name).is_dir():
         source = Path(name)
     else:

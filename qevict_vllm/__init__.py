@@ -2,23 +2,36 @@
 
     from vllm import LLM
     import qevict_vllm
-    llm = LLM(model=..., **qevict_vllm.options(budget=0.2))
+    llm = LLM(model=path, **qevict_vllm.options(budget=0.2, model=path))
+    qevict_vllm.report(llm)   # per request: the bytes its QEvict cache holds, its moves; blocks handed back
 
-``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts, and it makes
-QEvict's attention the CPU backend; that backend is the stock one until the QEvict connector is switched on.
+Opt-in: ``register`` is the ``vllm.general_plugins`` entry point, which vLLM calls in every process it starts; it
+makes QEvict's attention the CPU backend only in processes started after ``options()`` (which sets
+``QEVICT_VLLM=1``). Without it vLLM runs exactly as if the package were absent; ``VLLM_PLUGINS=""`` turns every
+plugin off.
 """
 
 from __future__ import annotations
 
-from .settings import kv_transfer_config, options
+import os
+
+from .settings import OPT_IN, kv_transfer_config, options
 
 __all__ = ["kv_transfer_config", "options", "register", "report"]
 
 
-def report() -> dict:
-    """What QEvict holds and what vLLM got back, in a process that runs vLLM's engine in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): per request still registered, its cache's bytes and moves, and
-    ``blocks_freed``, the KV blocks handed back to vLLM's pool."""
+def report(llm=None) -> dict:
+    """What QEvict holds and what vLLM got back: per request still registered (and the few last finished), its
+    cache's bytes (``memory_report``) and moves, and ``blocks_freed``, the KV blocks handed back to vLLM's pool.
+    ``llm``: the ``LLM`` whose worker to ask, in vLLM's default multiprocess mode too; None: this process's own
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    if llm is not None:
+        reports = llm.collective_rpc(_worker_report)
+        return reports[0] if len(reports) == 1 else {"workers": reports}
+    return _worker_report(None)
+
+
+def _worker_report(_worker) -> dict:
     from . import connector
 
     registry = connector.ACTIVE.get("worker")
@@ -27,6 +40,8 @@ def report() -> dict:
 
 
 def register() -> None:
+    if os.environ.get(OPT_IN) != "1":
+        return  # not asked for: vLLM keeps its own attention, and nothing of QEvict is imported
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "qevict_vllm.backend.QEvictCPUAttentionBackend")

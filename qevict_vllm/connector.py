@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import settings
 from .model_view import ModelView
 from .requests import Requests
+from .vllm_blocks import free_block_range
 
 ACTIVE: dict[str, Requests] = {}  # the worker's registry, once its connector exists ("worker")
 FREED: dict[str, int] = {}  # blocks handed back to vLLM's pool, per request (scheduler side)
@@ -42,6 +43,7 @@ class QEvictConnector(KVConnectorBase_V1):
         settings.check_engine(vllm_config)
         self.config = settings.config_from(extra, vllm_config.cache_config.block_size)
         self._manager = None
+        self._requests: dict[str, tuple[int, int | None]] = {}  # scheduler side: prompt length, max_tokens
         if role == KVConnectorRole.WORKER:
             view = ModelView.from_vllm(vllm_config)
             ACTIVE["worker"] = Requests(view, self.config, vllm_config.model_config.max_model_len)
@@ -55,10 +57,7 @@ class QEvictConnector(KVConnectorBase_V1):
     def _free_read_blocks(self, req_id: str, computed: int) -> None:
         """Blocks 1 .. the last complete one before ``computed`` go back to the pool: the worker's QEvict cache
         read them in an earlier forward, and nothing attends to vLLM's copy any more."""
-        blocks = self._manager.req_to_blocks.get(req_id, [])
-        before = sum(not b.is_null for b in blocks)
-        self._manager._remove_blocks_in_range(req_id, 1, computed // self.block_size)
-        freed = before - sum(not b.is_null for b in blocks)
+        freed = free_block_range(self._manager, req_id, 1, computed // self.block_size)
         if freed:
             FREED[req_id] = FREED.get(req_id, 0) + freed
             while len(FREED) > 4096:  # a long-running server: keep the recent requests' counts only
@@ -74,19 +73,28 @@ class QEvictConnector(KVConnectorBase_V1):
         meta = StepMeta()
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
-            meta.started.append((new.req_id, new.block_ids[0][0], len(new.prompt_token_ids or []),
-                                 params.max_tokens if params is not None else None))
+            prompt, max_tokens = len(new.prompt_token_ids or []), params.max_tokens if params is not None else None
+            self._requests[new.req_id] = (prompt, max_tokens)
+            meta.started.append((new.req_id, new.block_ids[0][0], prompt, max_tokens))
             meta.scheduled.append((new.req_id, new.num_computed_tokens,
                                    scheduler_output.num_scheduled_tokens[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids:
-                raise RuntimeError(f"request {req_id} resumed after preemption: QEvict in vLLM does not support "
-                                   "preemption yet; give vLLM more KV blocks or fewer concurrent requests")
             computed = cached.num_computed_tokens[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted, its blocks freed, and now recomputed from its first token (prompt and the tokens it
+                # generated): a fresh QEvict cache reads that sequence as its prompt; its worker cache was closed
+                # when it was preempted.
+                prompt, max_tokens = self._requests.get(req_id, (0, None))
+                done = cached.num_output_tokens[i]
+                meta.started.append((req_id, cached.new_block_ids[i][0][0], prompt + done,
+                                     None if max_tokens is None else max(1, max_tokens - done)))
             meta.scheduled.append((req_id, computed, scheduler_output.num_scheduled_tokens[req_id]))
             self._free_read_blocks(req_id, computed)
-        meta.ended = sorted(scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()))
+        finished = scheduler_output.finished_req_ids
+        for req_id in finished:
+            self._requests.pop(req_id, None)
+        meta.ended = sorted(finished | (scheduler_output.preempted_req_ids or set()))
         return meta
 
     # -- worker side ---------------------------------------------------------------------------------------------

@@ -63,6 +63,14 @@ def qevict_core_imports(path: Path) -> set[tuple[str, int]]:
     return found
 
 
+def test_only_the_backends_import_the_kernels():
+    """A backend is an object chosen once; everything else asks it what it can do."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "qevict_core").rglob("*.py"))
+             if path.parent.name != "backends"
+             for name, line in imported_packages(path) if name == "qevict_kernels"]
+    assert not wrong, "qevict_kernels imported outside qevict_core/backends/:\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("sub", sorted(INNER_FORBIDDEN))
 def test_inside_the_library_the_engine_sits_below_what_runs_it(sub):
     wrong = [f"{path.relative_to(ROOT)}:{line} imports qevict_core.{name}"

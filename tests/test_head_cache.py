@@ -176,7 +176,7 @@ def test_ranking_every_head_by_the_layer_mean_makes_qevicts_decisions():
 
 def _per_head_and_one_pass(monkeypatch, model, prompt, config, new):
     """(tokens, logits, cache) of qevict_head decoding head by head, then with every head in one pass per layer."""
-    from qevict_core.engine import head_step
+    from qevict_core.backends import cpu_heads as head_step
     from qevict_core.engine.head_cache import HeadwiseLayer
 
     one_pass = HeadwiseLayer._one_pass

@@ -22,7 +22,7 @@ def test_the_options_switch_on_the_connector_with_blocks_of_one_window():
     ({"budget": -1}, None, r"budget must be a number in \(0, 1\]"),
     ({"budget": 1.5}, None, r"budget must be a number in \(0, 1\] \(got 1.5\)"),
     ({"bits": 3}, None, r"bits must be one of \(2, 4\)"),
-    ({"kernels": "cpu"}, None, r"unknown QEvict settings \['kernels'\]"),
+    ({"kernels": "cpu"}, None, r"does not read \['kernels'\]"),
     ({"omega": 8}, 32, r"omega must equal vLLM's KV block size \(32\): a window is one block"),
 ])
 def test_a_bad_setting_is_refused_naming_what_is_allowed(settings, block_size, message):

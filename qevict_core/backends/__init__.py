@@ -21,10 +21,18 @@ class Backend:
     reads_tier_in_place: ClassVar[bool] = False  # update() returns [sinks | full | recent] only
     steps_heads_in_one_pass: ClassVar[bool] = False  # a per-head cache's decode step runs every head at once
 
+    def prepare(self, cache) -> None:
+        """Once, when ``cache`` is made: whatever its decode steps share (nothing by default)."""
+
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored: bool):
         """(out (B, L, Hq, D), mass (B, Hkv, N) per key or None: the step folded its mass itself) of a decode step,
         or None: the layer's PyTorch path."""
         return None
+
+    def step_heads(self, layer, query, scaling):
+        """A decode step of every KV head of a per-head layer (``qevict_head``) in one pass -> (out, keys, values);
+        only a backend with ``steps_heads_in_one_pass``."""
+        raise NotImplementedError(f"the {self.name} backend steps a per-head layer head by head")
 
 
 class TorchBackend(Backend):
@@ -42,10 +50,20 @@ class CPUBackend(Backend):
         out, mass = cpu_path.attend(layer, query, key, value, scaling)
         return out, mass if scored else None
 
+    def step_heads(self, layer, query, scaling):
+        from . import cpu_heads
+
+        return cpu_heads.attend(layer, query, scaling)
+
 
 class TritonBackend(Backend):
     name = "triton"
     reads_tier_in_place = True
+
+    def prepare(self, cache) -> None:
+        from . import triton_path
+
+        triton_path.prepare(cache)
 
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
         from . import triton_path

@@ -31,7 +31,7 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
         count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
         rope = owner.rope
         parts = lowbit_attention(rows, quant, count, owner.config.sinks, rope.inv_freq, rope.attention_scaling,
-                                 scaling, splits=splits(owner, rows), step=step_table(owner, quant.omega))
+                                 scaling, splits=owner.lowbit_splits, step=owner.rope_step_table)
         out, lse, window_mass = merge(parts[0], parts[1], fp_out, fp_lse, parts[2], quant.ids, count)
     else:
         out, lse, window_mass = fp_out, fp_lse, fp_out.new_zeros(b, hkv, 0)
@@ -46,24 +46,14 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     return out, window_mass.sum(dim=1), fp_mass.sum(dim=1)
 
 
-def splits(owner, rows: torch.Tensor) -> int:
-    """Programs per (row, KV head), from the tier's planned capacity, not what it holds now: the kernel is compiled
-    for one split count and never again (a count that followed the tier would recompile as it fills)."""
-    from qevict_kernels.lowbit_attention import default_splits, tile_windows
+def prepare(cache) -> None:
+    """What every decode step of ``cache`` shares, made once: the programs per (row, KV head), from the tier's
+    planned capacity rather than what it holds now (a count that followed the tier would recompile the kernel as it
+    fills), and the cos/sin of t·f for t < Ω, the same for every window, layer and step."""
+    from qevict_kernels.lowbit_attention import default_splits, step_table, tile_windows
 
-    count = getattr(owner, "_lowbit_splits", None)
-    if count is None:
-        b, hkv, _, d = rows.shape
-        count = owner._lowbit_splits = default_splits(max(1, owner.plan.k_quant), b, hkv,
-                                                      tile_windows(d, owner.config.omega), rows.device)
-    return count
-
-
-def step_table(owner, omega: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of t·f, t < Ω: the same for every window, layer and step of a cache, so built once."""
-    from qevict_kernels.lowbit_attention import step_table as build
-
-    table = getattr(owner, "_rope_step_table", None)
-    if table is None:
-        table = owner._rope_step_table = build(owner.rope.inv_freq, omega)
-    return table
+    shape, omega = cache.shape, cache.config.omega
+    device = cache.rope.inv_freq.device
+    cache.lowbit_splits = default_splits(max(1, cache.plan.k_quant), shape.batch, shape.num_kv_heads,
+                                         tile_windows(shape.head_dim, omega), device)
+    cache.rope_step_table = step_table(cache.rope.inv_freq, omega)

@@ -51,6 +51,7 @@ class QEvictCache(ReportingCache):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
+        self.backend.prepare(self)
 
     def plan_shape(self, shape: KVShape) -> KVShape:
         """The unit that ``plan_tiers`` sizes: one layer of every KV head (routing decides per layer)."""

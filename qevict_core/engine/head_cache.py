@@ -41,7 +41,7 @@ from torch.nn.utils.rnn import pad_sequence
 from .budget import KVShape
 from .cache import QEvictCache
 from .qevict_layer import QEvictLayer
-from . import head_move, head_step
+from . import head_move
 from .cache_base import ReportingLayer
 from ..config import QEvictConfig
 from .ledger import WindowLedger
@@ -59,7 +59,7 @@ class HeadLayer(QEvictLayer):
         return self.allotted
 
     def push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """A decode step's token, stored without building this head's attended keys (head_step lays out every
+        """A decode step's token, stored without building this head's attended keys (step_heads lays out every
         head's at once)."""
         self.store(key_states, value_states)
         self.seen += key_states.shape[2]
@@ -72,7 +72,7 @@ class HeadLayer(QEvictLayer):
 
 class HeadwiseLayer(ReportingLayer):
     """The KV heads of one layer, each a :class:`HeadLayer`. A decode step on the CPU kernel runs every head in one
-    pass (head_step.py); anything else (the prompt, other kernels) runs head group by head group."""
+    pass (the backend's step_heads); anything else (the prompt, other kernels) runs head group by head group."""
 
     def __init__(self, layer_idx: int, owner: HeadwiseQEvictCache, kv_heads: int):
         super().__init__(layer_idx, owner)
@@ -139,7 +139,7 @@ class HeadwiseLayer(ReportingLayer):
     def attend(self, module, query, key, value, scaling, dropout, output=True):
         one_pass = self._parts is None
         if one_pass:
-            out, keys, values = head_step.attend(self, query, scaling)
+            out, keys, values = self.owner.backend.step_heads(self, query, scaling)
         else:
             out, parts = self._attend_per_head(module, query, scaling, dropout, output)
         self._parts = []

@@ -30,7 +30,7 @@ from .routing import decide
 
 def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torch.Tensor], rank: torch.Tensor,
                ranked: torch.Tensor) -> None:
-    """keys, values (H, F, D): the padded workspace of ``head_step.attend``, head h's [sinks | full | recent] in its
+    """keys, values (H, F, D): the padded workspace of the CPU backend's ``step_heads``, head h's [sinks | full | recent] in its
     first rows; cands[h] (C_h,): head h's candidates [quantized | full | aged]; rank (H, C): their ranks, padded
     with -inf; ranked (H, C): ``allot``'s stable descending sort of the ranks eligible for the full tier, which set
     every head's ``allotted`` (K_f, K_q)."""

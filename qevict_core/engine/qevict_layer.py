@@ -176,10 +176,9 @@ class QEvictLayer(ReportingLayer):
         (building and binning them cost more than the sums on a 4K decode step)."""
         omega, sinks = self._grid[1], self.sink_k.shape[2]
         b = fp_keys.shape[0]
-        pad = -(fp_keys.shape[1] - sinks) % omega
-        tokens = fp_keys[:, sinks:]
-        if pad:
-            tokens = torch.cat([tokens, fp_keys.new_zeros(b, pad)], dim=1)
+        # the recent region's last window may be partial: zeros complete it (always padded, by 0 too, so that every
+        # step runs the same operators)
+        tokens = torch.nn.functional.pad(fp_keys[:, sinks:], (0, -(fp_keys.shape[1] - sinks) % omega))
         fp_windows = tokens.reshape(b, tokens.shape[1] // omega, omega).sum(dim=2)
         per_window = (torch.cat([quant, fp_windows], dim=1) if quant.shape[1] else fp_windows).div_(q_heads)
         self.owner.scorer.fold(self.scores, self.interval, self._fold_ids(per_window.shape[1]), per_window)

@@ -14,6 +14,8 @@ import sys
 
 from bench.vllm_needle import VLLM_ENV, tiers
 
+PREEMPTED = [0]
+
 
 def main() -> None:
     job = json.loads(sys.argv[1])
@@ -26,6 +28,16 @@ def main() -> None:
     from qevict_core.models import converted_dir
     from qevict_vllm import connector
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+
+    def counting(self):  # how many requests vLLM preempted, for the tests that make it
+        out = schedule(self)
+        PREEMPTED[0] += len(out.preempted_req_ids or ())
+        return out
+
+    Scheduler.schedule = counting
     settings = job.get("settings")
     options = qevict_vllm.options(**settings) if settings is not None else {"block_size": 32,
                                                                              "enable_prefix_caching": False}
@@ -50,6 +62,7 @@ def main() -> None:
         result["moves"] = [by_id[i].cache.summary() for i in ids]
         result["blocks_freed"] = [report["blocks_freed"].get(i, 0) for i in ids]
         result["bytes"] = [report["requests"][i]["total_bytes"] for i in ids]
+    result["preempted"] = PREEMPTED[0]
     print("RESULT " + json.dumps(result))
 
 

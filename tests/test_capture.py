@@ -1,0 +1,58 @@
+"""Toward CUDA graphs: a plain decode step of QEvict's GPU path (the fused Triton kernel; here under
+TRITON_INTERPRET=1) asks the host nothing. Under a dispatch mode that refuses the operators that wait for the device
+(``nonzero``, ``.item()``/``int()``, ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
+runs, and two plain steps at different fill levels launch the same sequence of operators. (Routing steps still
+decide on the host; their buffers, and so a captured graph's addresses, change at each event.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qevict_core import QEvictConfig, make_cache
+from qevict_core.generation.model_call import call
+from tests.conftest import random_prompt, tiny_model
+
+REFUSED = {"aten.nonzero", "aten._local_scalar_dense", "aten.unique", "aten._unique", "aten._unique2",
+           "aten.unique_consecutive", "aten.unique_dim", "aten.masked_select", "aten.is_nonzero", "aten.equal"}
+
+
+class NoHostSync(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in REFUSED:
+            raise AssertionError(f"{func} waits for the device")
+        if name == "aten.index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                        for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            raise AssertionError("boolean indexing waits for the device")
+        self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def refuse_tolist(*_args, **_kwargs):
+    raise AssertionError(".tolist() waits for the device")
+
+
+def test_a_plain_decode_step_of_the_gpu_path_asks_the_host_nothing(monkeypatch):
+    model, omega = tiny_model("llama", 2), 8
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.3, kernels="triton", omega=omega), max_length=340)
+    assert cache.backend.name == "triton"
+    with torch.inference_mode():
+        token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        while not cache.routed():  # up to the first routing event after the prompt
+            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        assert cache.layers[0].quant.num_windows > 0
+        sequences = []
+        for _ in range(omega - 2):  # the plain steps before the next event
+            mode = NoHostSync()
+            with monkeypatch.context() as patch, mode:
+                patch.setattr(torch.Tensor, "tolist", refuse_tolist)
+                token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            assert not cache.routed()
+            sequences.append(mode.ops)
+    assert len(sequences[0]) > 50 and all(ops == sequences[0] for ops in sequences)
