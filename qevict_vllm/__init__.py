@@ -26,12 +26,13 @@ def report(llm=None) -> dict:
     ``llm``: the ``LLM`` whose worker to ask, in vLLM's default multiprocess mode too; None: this process's own
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     if llm is not None:
-        reports = llm.collective_rpc(_worker_report)
+        reports = llm.collective_rpc("qevict_report")  # worker.QEvictWorkerExtension, which options() adds
         return reports[0] if len(reports) == 1 else {"workers": reports}
-    return _worker_report(None)
+    return report_here()
 
 
-def _worker_report(_worker) -> dict:
+def report_here() -> dict:
+    """``report`` of this process's registry (the engine's process, where the worker asks it)."""
     from . import connector
 
     registry = connector.ACTIVE.get("worker")

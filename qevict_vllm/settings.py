@@ -16,6 +16,7 @@ from qevict_core import QEvictConfig
 
 CONNECTOR = "QEvictConnector"
 MODULE = "qevict_vllm.connector"
+WORKER_EXTENSION = "qevict_vllm.worker.QEvictWorkerExtension"  # report(llm) asks it
 OPT_IN = "QEVICT_VLLM"  # set by options(): the plugin's attention is registered only in processes that asked
 CPU_BLOCK = 32  # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens
 BLOCK_SIZE = 32  # a window is one KV block; vLLM's CPU default (128 tokens) would make windows 16x QEvict's Ω = 8
@@ -26,7 +27,8 @@ IGNORED_GROUPS = ("head", "run")
 
 def options(block_size: int = BLOCK_SIZE, model: str | None = None, **settings) -> dict:
     """The ``LLM(...)`` keyword arguments that run every request with QEvict: the connector, KV blocks of
-    ``block_size`` tokens (a multiple of 32 on the CPU; a window is one block), prefix caching off. ``settings`` are
+    ``block_size`` tokens (a multiple of 32 on the CPU; a window is one block), prefix caching off, the worker
+    extension ``report(llm)`` asks. ``settings`` are
     QEvictConfig fields (``budget``, ``bits``, ``coverage``, ...); ``model`` (the path or id given to ``LLM``) has its
     attention checked too. Everything refused here is refused before vLLM loads anything."""
     check_platform()
@@ -39,7 +41,7 @@ def options(block_size: int = BLOCK_SIZE, model: str | None = None, **settings) 
         check_model(AutoConfig.from_pretrained(model))
     os.environ[OPT_IN] = "1"  # inherited by the engine's processes, started after this
     return {"kv_transfer_config": kv_transfer_config(block_size=block_size, **settings), "block_size": block_size,
-            "enable_prefix_caching": False}
+            "enable_prefix_caching": False, "worker_extension_cls": WORKER_EXTENSION}
 
 
 def kv_transfer_config(block_size: int = BLOCK_SIZE, **settings) -> dict:

@@ -8,7 +8,8 @@ from sqlalchemy import update as sql_update
 
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
-from tests.conftest import tiny_chat_model, tiny_tokenizer
+from qevict_core import make_cache
+from tests.conftest import tiny_chat_model, tiny_model, tiny_tokenizer
 from ui import cards, plots, sessions
 from ui.control import TabRuns
 from ui.examples import EXAMPLES
@@ -257,14 +258,40 @@ def test_the_prompt_view_shows_the_users_text_without_template_markup(studio):
     assert "The chat template adds" in html
 
 
+def test_non_latin_text_is_shown_whole_in_the_prompt_view(studio):
+    """Byte-level tokens split an emoji, a Hebrew or a Chinese character; the prompt view shows each character
+    whole (on its first token), never a replacement character."""
+    prompt = "Shalom שלום, nǐ hǎo 你好 👋 and a right-to-left mark \u200f here."
+    final = list(studio.run(request(prompt, ("qevict",), max_new=4)))[-1]
+    pieces = final.view.request["prompt_tokens"]
+    start, stop = final.view.request["prompt_span"]
+    assert "".join(pieces[start:stop]) == prompt and not any("\ufffd" in p for p in pieces)
+    html = cards.prompt_html(final.view, "qevict", 1)
+    assert "שלום" in html and "你好" in html and "👋" in html and "\ufffd" not in html
+
+
+def test_a_character_split_over_generated_tokens_arrives_whole():
+    """The token that starts a multi-byte character adds no text; the one that completes it adds the character."""
+    from qevict_core.generation.generate import Lane, _lane_events
+    from tests.conftest import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    lane = Lane("q", make_cache("fullkv", tiny_model(), None, max_length=8))
+    ids = tok("a👋", add_special_tokens=False).input_ids  # 'a' then the emoji's four bytes
+    texts = [next(e for e in _lane_events(lane, i, t, 0.0, None, tok) if e.kind == "token").text
+             for i, t in enumerate(ids)]
+    assert texts == ["a", "", "", "", "👋"] and lane.text == "a👋"
+
+
 def test_progress_says_where_the_run_is(studio):
     stream = studio.run(request(max_new=6))
     first = next(stream)
-    assert progress_text(first, studio).startswith("**Reading the prompt**")
-    second = next(stream)
-    assert "token 1 of at most 6" in progress_text(second, studio)
-    assert progress_text(list(stream)[-1], studio) == "**Done.**"
-    assert studio.prefill_rate and studio.prefill_rate > 0  # 516 prompt tokens x 3 lanes: long enough to time
+    assert progress_text(first, studio).startswith("**Reading the prompt**") and "about" not in \
+        progress_text(first, studio)  # nothing of this run measured yet: no time shown
+    texts = [progress_text(update, studio) for update in stream]
+    assert texts[0] == "**Generating…** token 1 of at most 6." and "left" not in texts[3]
+    assert "left at this run's pace" in texts[4]  # four decode steps measured
+    assert texts[-1] == "**Done.**"
 
 
 def test_lane_cards_point_at_the_result():
@@ -275,12 +302,29 @@ def test_lane_cards_point_at_the_result():
             view.apply({"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
                         "seconds": 0.1})
     html = cards.lanes_html(view)
+    # found the moment it is there; missing is only a verdict once the lane has ended
     assert '<span class="qe-verdict qe-answer qe-good">✓ found the answer “42”</span>' in html
-    assert '<span class="qe-verdict qe-answer qe-bad">✗ missed the answer “42”</span>' in html
+    assert '<span class="qe-verdict qe-answer qe-pending">… looking for “42”</span>' in html and "✗" not in html
+    view.apply({"kind": "done", "lane": "snapkv", "step": 2, "reason": "length", "text": " 41."})
+    assert '<span class="qe-verdict qe-answer qe-bad">✗ missed the answer “42”</span>' in cards.lanes_html(view)
     # agreement with FullKV is a pill of its own, amber, never the answer's red
-    assert '<span class="qe-verdict qe-agree qe-differs">same as FullKV for the first 1 tokens' in html
-    assert "same as FullKV for the first 1 tokens, then differs (67% of positions agree)" in html
+    assert '<span class="qe-verdict qe-agree qe-differs">same as FullKV for the first token' in html
+    assert "same as FullKV for the first token, then differs (67% of positions agree)" in html
     assert '<span class="qe-diverged" title="differs from FullKV">1.</span>' in html
+
+
+@pytest.mark.parametrize("reason, status, words", [
+    ("stopped", "stopped", "■ it was stopped before finding “42”"),
+    (None, "interrupted", "■ the run was interrupted before finding “42”"),
+    (None, "running", "… looking for “42”"),
+])
+def test_a_lane_cut_short_is_neither_found_nor_missed(reason, status, words):
+    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+                    "sampling": {"max_new_tokens": 9}, "expected": "42"}, status)
+    view.apply({"kind": "token", "lane": "q", "step": 0, "token_id": 7, "text": "The", "seconds": 0.1})
+    if reason:
+        view.apply({"kind": "done", "lane": "q", "step": 0, "reason": reason, "text": "The"})
+    assert words in cards.lanes_html(view) and "✗" not in cards.lanes_html(view)
 
 
 def test_tier_map_codes_and_moves_follow_the_events():
@@ -490,24 +534,38 @@ def test_the_time_left_follows_the_latest_steps_not_the_first():
         view.apply({"kind": "token", "lane": "qevict", "step": step, "token_id": 1, "text": "a", "seconds": seconds})
     text = progress_text(Update(view, "s", "t", False, "running"), None)
     # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
-    assert text == "**Generating…** token 22 of at most 200, about 89 s left at most.", text
+    assert text == "**Generating…** token 22 of at most 200, about 89 s left at this run's pace.", text
 
 
 def test_a_draft_survives_a_reload_and_a_restart_says_so(studio):
     from ui.handlers import BOOT, Handlers
 
     events = Handlers(studio)
-    draft = events.save_draft("What did Mr. Darcy say?", "nothing")
-    assert draft == {"prompt": "What did Mr. Darcy say?", "expected": "nothing", "boot": BOOT}
+    draft = events.save_draft("What did Mr. Darcy say?", "nothing", 100)
+    assert draft == {"prompt": "What did Mr. Darcy say?", "expected": "nothing", "max_new": 100, "boot": BOOT}
     owned = [{"id": "a" * 22, "token": "t" * 22}]
-    prompt, expected, status = events.restore_draft(draft, owned)  # a reload: the text back, no message
-    assert (prompt, expected) == ("What did Mr. Darcy say?", "nothing") and status["__type__"] == "update"
-    prompt, expected, status = events.restore_draft({**draft, "boot": "an-earlier-server"}, owned)
+    prompt, expected, max_new, status = events.restore_draft(draft, owned)  # a reload: the form back, no message
+    assert (prompt, expected, max_new) == ("What did Mr. Darcy say?", "nothing", 100)
+    assert status["__type__"] == "update"
+    prompt, expected, _, status = events.restore_draft({**draft, "boot": "an-earlier-server"}, owned)
     assert prompt == "What did Mr. Darcy say?" and "**The server restarted.**" in status and "a" * 22 in status
     # what a browser sends back is untrusted: anything else restores nothing
     for bad in (None, [], {"prompt": 5}, {"prompt": ""}, "x"):
         assert all(out["__type__"] == "update" for out in events.restore_draft(bad, owned))
-    assert events.save_draft(["a list"], "")["__type__"] == "update"
+    assert events.restore_draft({"prompt": "hi", "max_new": 10**9, "boot": BOOT}, owned)[2]["__type__"] == "update"
+    assert events.save_draft(["a list"], "", 64)["__type__"] == "update"
+
+
+def test_an_example_s_answer_goes_when_its_prompt_is_edited(studio):
+    from ui.handlers import Handlers
+
+    events = Handlers(studio)
+    name = next(iter(EXAMPLES))
+    example = EXAMPLES[name]()
+    assert all(out["__type__"] == "update" for out in events.prompt_edited(example.prompt, name))  # unchanged
+    expected, picked, hint = events.prompt_edited(example.prompt + " And who wrote it?", name)
+    assert (expected, picked, hint) == ("", None, "")
+    assert all(out["__type__"] == "update" for out in events.prompt_edited("my own prompt", None))
 
 
 def test_time_the_lanes_alone_rebuilds_the_runs_lanes_and_times_them_interleaved(studio):

@@ -176,7 +176,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         # -- run
         t.example.change(ev.pick_example, t.example, [t.prompt, t.expected, t.max_new, v.layer, t.hint],
-                         **private).then(ev.save_draft, [t.prompt, t.expected], draft, **private)
+                         **private).then(ev.save_draft, [t.prompt, t.expected, t.max_new], draft, **private)
+        t.prompt.input(ev.prompt_edited, [t.prompt, t.example], [t.expected, t.example, t.hint], **private)
         t.ablations.change(ev.show_ablations, [t.ablations, *t.lanes], t.lanes, **private)
         for menu in t.lanes:
             menu.change(ev.shown_lane_menu, t.lanes, v.lane, **private)
@@ -188,9 +189,9 @@ def build_demo(studio: Studio) -> gr.Blocks:
             ev.generate, inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
             concurrency_id="gpu", concurrency_limit=1, show_progress_on=[t.status])
         new_ref.change(ev.record, [new_ref, owned], owned, **private)
-        for event in (t.prompt.blur, t.expected.blur, t.generate.click):
-            event(ev.save_draft, [t.prompt, t.expected], draft, **private)
-        demo.load(ev.restore_draft, [draft, owned], [t.prompt, t.expected, t.status], **private)
+        gr.on([t.prompt.blur, t.expected.blur, t.max_new.release, t.generate.click], ev.save_draft,
+              [t.prompt, t.expected, t.max_new], draft, **private)
+        demo.load(ev.restore_draft, [draft, owned], [t.prompt, t.expected, t.max_new, t.status], **private)
         t.stop.click(ev.request_stop, None, t.status, queue=False, **private)
         for picker in (v.layer, v.head, v.lane):
             picker.change(ev.redraw_routing, [v.layer, v.head, v.lane], v.routing, **private)

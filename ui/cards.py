@@ -24,16 +24,25 @@ def answer_parts(expected: str) -> list[str]:
 
 
 def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
-    """(css classes, words) of a lane's pills: whether it found the expected answer (green or red, only where the
-    prompt has one), and, apart, how far it agrees with FullKV (grey when the same, amber when it differs: a lane
-    can find the answer in other words)."""
+    """(css classes, words) of a lane's pills: whether it found the expected answer (only where the prompt has one:
+    pending while the lane runs, then green, red, or grey for a lane stopped before it could), and, apart, how far it
+    agrees with FullKV (grey when the same, amber when it differs: a lane can find the answer in other words)."""
     pills = []
     expected = view.expected
-    if expected and lane.tokens:
+    if expected:
         parts = answer_parts(expected)
         hits = [p for p in parts if p.lower() in lane.text.lower()]
+        ended = lane.done in ("eos", "length")
+        cut = lane.done is not None and not ended or lane.done is None and view.status not in ("running",)
         if len(hits) == len(parts):
             pills.append(("qe-answer qe-good", f"✓ found the answer “{expected}”"))
+        elif cut:
+            how = "the run was interrupted" if view.status == "interrupted" else "it was stopped"
+            pills.append(("qe-answer qe-cut", f"■ {how} before finding “{expected}”"
+                          + (f" ({len(hits)} of {len(parts)} parts so far)" if hits else "")))
+        elif not ended:
+            pills.append(("qe-answer qe-pending", f"… looking for “{expected}”"
+                          + (f": {len(hits)} of {len(parts)} parts so far" if hits else "")))
         elif hits:
             pills.append(("qe-answer qe-bad", f"✗ found {len(hits)} of {len(parts)} parts of the answer "
                                               f"(“{'; '.join(hits)}”)"))
@@ -48,8 +57,10 @@ def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
         if prefix == len(lane.tokens) == len(reference.tokens):
             pills.append(("qe-agree qe-same", "✓ same tokens as FullKV"))
         else:
-            pills.append(("qe-agree qe-differs", f"same as FullKV for the first {prefix} tokens, then differs "
-                                                 f"({share:.0%} of positions agree)"))
+            first = "the first token" if prefix == 1 else f"the first {prefix} tokens"
+            pills.append(("qe-agree qe-differs", f"same as FullKV for {first}, then differs "
+                                                 f"({share:.0%} of positions agree)" if prefix else
+                          f"differs from FullKV from its first token ({share:.0%} of positions agree)"))
     return pills
 
 
@@ -67,9 +78,10 @@ def lanes_html(view: RunView) -> str:
             stats.append("per layer: " + ", ".join(f"{lane.tiers[t]} {TIER_WORDS[t]}" for t in TIER_WORDS
                                                    if lane.tiers.get(t)) + " tokens")
         if lane.ms_per_token:
-            how = ("estimated inside the shared batch; Replay → “Time the lanes alone” measures it"
-                   if lane.alone_seconds is not None else "of the shared batch")
-            stats.append(f"{lane.ms_per_token:.0f} ms per token ({how})")
+            how = ("its share of the lanes' shared forward, under this machine's load at the time; Replay → “Time "
+                   "the lanes alone” measures each alone" if lane.alone_seconds is not None else
+                   "the lanes' shared forward")
+            stats.append(f"{lane.ms_per_token:.0f} ms per token in this run ({how})")
         if lane.done:
             stats.append(_esc(lane.done))
         prefix = agreement.get(lane.name, (None, len(lane.tokens)))[1]
@@ -170,7 +182,7 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
 
 
 MEASURES = ["tokens", "KV MiB", "% of FullKV", "full-precision tokens", "low-bit tokens", "evicted tokens",
-            "promotions", "demotions", "ms per token alone", "% same as FullKV"]
+            "promotions", "demotions", "ms per token in this run", "% same as FullKV"]
 
 
 def stats_table(view: RunView) -> dict:

@@ -23,9 +23,9 @@ Eq. 3's split (q = 0.70), no pooling.
   every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
 - **promotions / demotions** — window moves between the tiers, summed over layers (and over KV heads for
   `qevict_head`, which routes each head on its own: its tier map and scores show the head picked next to the layer).
-- **ms per token** — on the lane card, an *estimate* of each lane's decode time per token had it run alone: the
-  lanes share one batched forward, whose shared part is added to the time of the lane's own cache updates and
-  attention, timed inside that forward (on a GPU, the shared forward's time). It is not a speed measurement.
+- **ms per token in this run** — on the lane card and in the table: the lanes share one batched forward; each lane's
+  figure is the shared part of it plus its own cache updates and attention, timed inside that forward (on a GPU,
+  the shared forward's time), under whatever load the machine had at the time. It is not a speed measurement.
   **Time the lanes alone** (Replay tab) measures one: each lane rebuilt on the run's prompt, its decode steps
   timed one by one, interleaved with the other lanes' in one process — what `bench.tpot` measures — with the
   ratio to FullKV.

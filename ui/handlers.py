@@ -16,7 +16,7 @@ from storage.schema import MAX_PROMPT_CHARS, max_import_bytes
 from . import cards, plots, sessions
 from .control import TabRuns
 from .examples import EXAMPLES
-from .form import NO_LANE, parse_request
+from .form import MAX_NEW_TOKENS, NO_LANE, parse_request
 from .studio import Studio, diagnose_session, lane_names, progress_text
 from .view import RunView
 
@@ -143,23 +143,34 @@ class Handlers:
         finally:
             self.tabs.finish(key)
 
-    def save_draft(self, prompt, expected):
-        """What the tab has typed, kept in the browser (a restart or a reload must not lose it)."""
+    def prompt_edited(self, prompt, example):
+        """A visitor edited the prompt: an example's answer and hint no longer belong to it (a new prompt would be
+        judged against the example's answer). -> (expected answer, example picked, hint)."""
+        if not example or example not in EXAMPLES or prompt == EXAMPLES[example]().prompt:
+            return gr.skip(), gr.skip(), gr.skip()
+        return "", None, ""
+
+    def save_draft(self, prompt, expected, max_new):
+        """What the tab has set, kept in the browser (a restart or a reload must not lose it): the prompt, the
+        expected answer and the new tokens, which an example sets with them."""
         if not isinstance(prompt, str) or not isinstance(expected, str):
             return gr.skip()
-        return {"prompt": prompt[:MAX_PROMPT_CHARS], "expected": expected[:200], "boot": BOOT}
+        return {"prompt": prompt[:MAX_PROMPT_CHARS], "expected": expected[:200], "max_new": max_new, "boot": BOOT}
 
     def restore_draft(self, draft, owned):
         """On load: the tab's draft back in the form, and, when the server restarted since it was saved, a line
-        that says so and links the tab's latest run."""
+        that says so and links the tab's latest run. -> (prompt, expected answer, max new tokens, status)."""
         if not isinstance(draft, dict) or not isinstance(draft.get("prompt"), str) or not draft["prompt"]:
-            return gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         expected = draft.get("expected") if isinstance(draft.get("expected"), str) else ""
+        max_new = draft.get("max_new")
+        max_new = max_new if isinstance(max_new, int) and not isinstance(max_new, bool) and \
+            1 <= max_new <= MAX_NEW_TOKENS else gr.skip()
         if draft.get("boot") == BOOT:
-            return draft["prompt"], expected, gr.skip()
+            return draft["prompt"], expected, max_new, gr.skip()
         latest = [ref["id"] for ref in sessions.refs(owned)][:1]
         link = f" Your latest run: [/?session={latest[0]}](/?session={latest[0]})." if latest else ""
-        return (draft["prompt"], expected,
+        return (draft["prompt"], expected, max_new,
                 f"**The server restarted.** Your prompt is back in the box; a run that was going on was cut off "
                 f"(its replay says *interrupted*).{link}")
 

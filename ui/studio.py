@@ -61,7 +61,6 @@ class Studio:
     store: SessionStore
     model_name: str = "SmolLM2-135M-Instruct"
     choices: dict = field(default_factory=lambda: {"methods": sorted(METHODS), "bits": BITS, "scorers": SCORERS})
-    prefill_rate: float | None = None  # prompt tokens x lanes per second, measured on the last run
     _loaded: dict = field(default_factory=dict, repr=False)  # id -> ((updated_at, status), meta, events)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -102,6 +101,23 @@ class Studio:
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         return ids, self._span(text, prompt, ids.shape[1])
 
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        """The text of each prompt token, by character spans: a character that several tokens encode (an emoji,
+        a CJK or Hebrew character in a byte-level vocabulary) belongs to the first of them, whole, and the others
+        show nothing; decoding tokens one by one would show each a piece of a byte sequence, garbled."""
+        text = self.tokenizer.decode(ids)
+        if not getattr(self.tokenizer, "is_fast", False):
+            return self.tokenizer.batch_decode([[t] for t in ids])
+        found = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if found["input_ids"] != ids:  # the text does not tokenize back to these ids: one by one, as before
+            return self.tokenizer.batch_decode([[t] for t in ids])
+        pieces, done = [], 0
+        for _, end in found["offset_mapping"]:
+            pieces.append(text[done:max(done, end)])  # from where the previous token stopped: its spaces too
+            done = max(done, end)
+        pieces[-1] += text[done:]
+        return pieces
+
     def _span(self, text: str, prompt: str, length: int) -> list[int]:
         begin = text.rfind(prompt)
         if begin < 0 or not getattr(self.tokenizer, "is_fast", False):
@@ -141,7 +157,7 @@ class Studio:
             "sampling": {"max_new_tokens": req.sampling.max_new_tokens, "temperature": req.sampling.temperature,
                          "seed": req.sampling.seed},
             "prompt_length": input_ids.shape[1],
-            "prompt_tokens": self.tokenizer.batch_decode([[t] for t in input_ids[0].tolist()]),
+            "prompt_tokens": self.token_pieces(input_ids[0].tolist()),
             "prompt_span": span,
             "expected": req.expected,
         }
@@ -170,30 +186,22 @@ class Studio:
                 self.store.append(session_id, batch)
                 step = batch[-1]["step"]
                 if all(lane.done or len(lane.tokens) > step for lane in view.lanes.values()):
-                    if step == 0:
-                        self._measure_prefill(len(job.input_ids) * len(job.lanes), view.lanes_prefill_seconds())
                     yield Update(view, session_id, token, routing_changed, status)
                     routing_changed = False
             errors = [lane.done for lane in view.lanes.values() if (lane.done or "").startswith("error")]
             status = "error" if errors else "stopped" if should_stop() else "done"
             message = "; ".join(errors)
+            view.status = status
         except Exception as err:  # keep what was generated; say what went wrong
             log.exception("run %s failed", session_id)
             status, message = "error", str(err)
+            view.status = status
         finally:
             stream.close()  # an abandoned run (tab closed): on ZeroGPU this releases the GPU worker
             if os.path.exists(stop_file):
                 os.unlink(stop_file)
             self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
         yield Update(view, session_id, token, True, status, message)
-
-    def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        # A short prompt's time is mostly fixed overhead: scaled up, it would predict minutes for seconds of work.
-        if seconds > 0 and tokens >= 1024:
-            self.prefill_rate = tokens / seconds
-
-    def prefill_estimate(self, tokens: int, lanes: int) -> float | None:
-        return tokens * lanes / self.prefill_rate if self.prefill_rate else None
 
     def load(self, session_id: str) -> tuple[dict, list[dict]]:
         """A stored session, checked against the schema -> (meta, events); LookupError when missing, ValueError
@@ -246,7 +254,7 @@ class Studio:
     def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:
         """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""
         meta, events = self.load(session_id)
-        view = RunView(meta["request"])
+        view = RunView(meta["request"], meta["status"])
         last = max((e["step"] for e in events), default=0)
         for event in events:
             if step is None or event["step"] <= step:
@@ -254,8 +262,12 @@ class Studio:
         return view, last, meta
 
 
+MEASURED_STEPS = 4  # decode steps of this run measured before a time left is shown
+
+
 def progress_text(update: Update, studio: Studio) -> str:
-    """Where the run stands, in words, with a time estimate."""
+    """Where the run stands, in words. A time left is shown only once this run has measured its own pace (the
+    latest decode steps): an earlier run's, or the prompt's, would mislead on a machine whose load changes."""
     view = update.view
     if update.status != "running":
         return {"done": "**Done.**", "stopped": "**Stopped** — what was generated is kept.",
@@ -263,14 +275,12 @@ def progress_text(update: Update, studio: Studio) -> str:
     steps = max((len(lane.tokens) for lane in view.lanes.values()), default=0)
     if steps == 0:
         tokens = int(view.request["prompt_length"])
-        guess = studio.prefill_estimate(tokens, len(view.lanes))
-        eta = f" — about {_duration(guess)}" if guess else " — the first run on a CPU can take a minute"
-        return f"**Reading the prompt** ({tokens:,} tokens, {len(view.lanes)} lane(s)){eta}…"
-    # The median of the latest steps: the first decode steps (warm-up, a routing event) say little about the rest.
-    per_step = [statistics.median(lane.step_seconds[-16:]) for lane in view.lanes.values()
-                if lane.step_seconds and lane.done is None]
+        lanes = len(view.lanes)
+        return f"**Reading the prompt** ({tokens:,} tokens, {lanes} lane{'s' if lanes > 1 else ''})…"
+    paces = [statistics.median(lane.step_seconds[-8:]) for lane in view.lanes.values()
+             if len(lane.step_seconds) >= MEASURED_STEPS and lane.done is None]
     left = view.max_new_tokens - steps
-    eta = f", about {_duration(left * max(per_step))} left at most" if per_step and left > 0 else ""
+    eta = f", about {_duration(left * max(paces))} left at this run's pace" if paces and left > 0 else ""
     return f"**Generating…** token {steps} of at most {view.max_new_tokens}{eta}."
 
 

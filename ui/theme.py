@@ -9,6 +9,7 @@ CSS = """
 .qe-lane {flex:1; min-width:240px; border:1px solid #d1d5db; border-radius:8px; padding:8px}
 .qe-verdict {font-size:12px; padding:1px 6px; border-radius:6px}
 .qe-good {background:#dcfce7; color:#14532d} .qe-bad {background:#fee2e2; color:#7f1d1d}
+.qe-pending {background:#f3f4f6; color:#374151; font-style:italic} .qe-cut {background:#e5e7eb; color:#1f2937}
 .qe-same {background:#f3f4f6; color:#374151} .qe-differs {background:#fef3c7; color:#78350f}
 .qe-note {font-size:12px; background:#fef3c7; border-radius:6px; padding:4px 6px; margin-top:4px}
 .qe-stats, .qe-caption {font-size:12px; color:#4b5563}

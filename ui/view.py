@@ -52,8 +52,9 @@ class LaneView:
 class RunView:
     """Lanes, their texts and stats, and per lane and layer the routing events seen so far."""
 
-    def __init__(self, request: dict[str, Any]):
+    def __init__(self, request: dict[str, Any], status: str = "running"):
         self.request = request
+        self.status = status  # the run's: running, done, stopped, error, interrupted (a crash or restart)
         self.lanes = {lane["name"]: LaneView(lane["name"], lane["method"], lane.get("note", ""))
                       for lane in request["lanes"]}
         self.routing: dict[str, dict[int, list[dict]]] = {name: {} for name in self.lanes}
@@ -115,10 +116,6 @@ class RunView:
         elif kind == "done":
             lane.done, lane.summary, lane.text = event["reason"], event.get("summary") or {}, event["text"]
         return False
-
-    def lanes_prefill_seconds(self) -> float:
-        """The prompt's forward: the lanes read it together, so the first lane's time is everyone's."""
-        return next(iter(self.lanes.values())).prefill_seconds
 
     def routed_lanes(self) -> list[str]:
         return [name for name, layers in self.routing.items() if layers]

@@ -164,7 +164,10 @@ def _lane_events(lane: Lane, step: int, token: int, seconds: float, alone: float
         yield event
     lane.tokens.append(token)
     text = tokenizer.decode(lane.tokens, skip_special_tokens=True)
-    delta, lane.text = text[len(lane.text):], text
+    # A character split over tokens (emoji, CJK, Hebrew in byte-level vocabularies) decodes as U+FFFD until its
+    # last byte arrives: its text waits for that token, so every token's text is whole characters.
+    delta = "" if text.endswith("\ufffd") else text[len(lane.text):]
+    lane.text += delta
     yield TokenEvent(lane=lane.name, step=step, token_id=token, text=delta, seconds=seconds, alone_seconds=alone)
     report = lane.cache.memory_report()
     yield MemoryEvent(lane=lane.name, step=step, total_bytes=report["total_bytes"],

@@ -32,8 +32,8 @@ def main() -> None:
 
     schedule = Scheduler.schedule
 
-    def counting(self):  # how many requests vLLM preempted, for the tests that make it
-        out = schedule(self)
+    def counting(self, *args, **kwargs):  # how many requests vLLM preempted, for the tests that make it
+        out = schedule(self, *args, **kwargs)
         PREEMPTED[0] += len(out.preempted_req_ids or ())
         return out
 
@@ -41,8 +41,8 @@ def main() -> None:
     settings = job.get("settings")
     options = qevict_vllm.options(**settings) if settings is not None else {"block_size": 32,
                                                                              "enable_prefix_caching": False}
-    llm = LLM(model=str(converted_dir()), dtype="float32", max_model_len=4096, enforce_eager=True, **options,
-              **job.get("llm", {}))
+    llm = LLM(model=str(converted_dir()), dtype="float32", enforce_eager=True, **options,
+              **{"max_model_len": 4096, **job.get("llm", {})})
     if settings is not None:
         connector.ACTIVE["worker"].retain = len(job["prompts"])  # finished requests stay inspectable
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]],

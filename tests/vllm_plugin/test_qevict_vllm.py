@@ -96,8 +96,9 @@ def test_the_documented_snippet_runs_as_printed(tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    answer, freed = done.stdout.strip().splitlines()[-2:]
-    assert "Paris" in answer  # the chat template applied: an instruct model answers
+    printed = [line for line in done.stdout.splitlines() if "INFO" not in line and "WARNING" not in line]
+    assert any("Paris" in line for line in printed), done.stdout[-2000:]  # the chat template applied: it answers
+    freed = next(line for line in reversed(printed) if line.startswith("{"))
     assert sum(json.loads(freed.replace("'", '"')).values()) == 0  # a short prompt: every block still in use
 
 
@@ -106,8 +107,8 @@ def test_preemption_is_survived_and_answers_equal_an_unpreempted_run():
     gets a fresh QEvict cache on its recomputed tokens, every request finishes, and at a budget that holds everything
     the tokens equal those of a pool large enough for all (no preemption)."""
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(224)] for i in range(24)]
-    roomy = serve(prompts, 24, {"budget": 1.0})
-    tight = serve(prompts, 24, {"budget": 1.0}, num_gpu_blocks_override=64)
+    roomy = serve(prompts, 24, {"budget": 1.0}, max_model_len=1024)
+    tight = serve(prompts, 24, {"budget": 1.0}, num_gpu_blocks_override=64, max_model_len=1024)
     assert len(tight["tokens"]) == 24 and all(len(t) == 24 for t in tight["tokens"])
     assert tight["tokens"] == roomy["tokens"]
     assert tight["preempted"] > 0  # the pool was tight enough that vLLM preempted
