@@ -54,7 +54,9 @@ def launch(demo, **kwargs):
     return demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0" if on_space else "127.0.0.1"),
                        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
                        theme=THEME, css=CSS, head=HEAD, ssr_mode=False, share=False, footer_links=["api"],
-                       max_file_size=max_import_bytes(),
+                       # a file over the import limit reaches the import, which says why in the status line (a
+                       # refusal by Gradio itself is a toast that vanishes); only a far larger one stops at the door
+                       max_file_size=4 * max_import_bytes(),
                        # Runs are kept server side and listed per browser; Gradio's own history would copy every
                        # streamed figure into the browser's storage.
                        run_history=False, **kwargs)

@@ -230,10 +230,15 @@ def parse_stored(prompt: Any, request: Any, events: list[Any]) -> tuple[RequestS
     return parsed.session.request, parsed.events
 
 
+def message(item: dict) -> str:
+    """A pydantic error's words without its kind ("Value error, ...")."""
+    return item["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
 def describe(err: ValidationError, limit: int = 3) -> str:
     problems = []
     for item in err.errors()[:limit]:
         where = ".".join(str(part) for part in item["loc"]) or "document"
-        problems.append(f"{where}: {item['msg']}")
+        problems.append(f"{where}: {message(item)}")
     more = err.error_count() - limit
     return "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")

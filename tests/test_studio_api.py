@@ -60,3 +60,20 @@ def test_two_clients_are_queued_and_isolated(tmp_path, monkeypatch):
         rows = conn.execute(select(SessionRow.prompt, SessionRow.status)).all()
     assert sorted(prompt[:5] for prompt, _ in rows) == ["bonjo", "hello"]
     assert all(status == "done" for _, status in rows)
+
+
+def test_the_published_schema_is_the_validators():
+    """What /generate advertises is what ui.form accepts: bits as integers 2 or 4, every runnable lane (ablations
+    included), the pickers' ranges, nothing empty; and every advertised bits value runs."""
+    import app
+    from qevict_core.registry import METHODS
+    from ui.form import NO_LANE, parse_request
+
+    demo = app.create_demo(tiny_chat_model(), tiny_tokenizer(), database_url="sqlite://", model_name="tiny")
+    params = {p["parameter_name"]: p["type"] for p in demo.get_api_info()["named_endpoints"]["/generate"]["parameters"]}
+    assert params["bits"] == {"type": "integer", "enum": [2, 4]}
+    assert params["lane1"]["enum"] == [NO_LANE, *METHODS] and "qevict_nopromo" in params["lane2"]["enum"]
+    assert params["budget"]["minimum"] == 0.01 and params["omega"] == {"type": "integer", "minimum": 1, "maximum": 64}
+    assert params["layer"]["maximum"] == 2 and params["shown_lane"]["anyOf"][0] == {"type": "string"}
+    for bits in params["bits"]["enum"]:
+        parse_request("hi", ["qevict"], 0.2, 8, 0.7, bits, 5, 32, "cumulative", True, 4)

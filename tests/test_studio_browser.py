@@ -198,6 +198,16 @@ def test_a_poisoned_import_is_refused_and_breaks_nothing(studio, browser, tmp_pa
     table = page.locator("#sessions-table").inner_text()
     assert table.index("imported") < table.index(good_id)  # the newest row is the import
 
+    # a file over the import limit reaches the import, whose reason stays on screen (not a toast that vanishes)
+    from storage.schema import max_import_bytes
+
+    page.reload()
+    sessions_listed(page, lambda ids: len(ids) == 2)  # back on the Sessions tab
+    large = tmp_path / "large.json"
+    large.write_bytes(b" " * (max_import_bytes() + 1))
+    page.set_input_files("#import-file input[type=file]", str(large))
+    wait_text(page, '#manage-status', 'larger than the import limit', 60_000)
+
 
 def test_a_second_browser_sees_none_of_the_first_browsers_sessions(studio, browser):
     first = open_page(browser, studio["url"], context=browser.new_context())
@@ -214,7 +224,10 @@ def test_a_second_browser_sees_none_of_the_first_browsers_sessions(studio, brows
 
     # Deleting from the browser that made it needs no token.
     first.fill("#manage-id textarea, #manage-id input", session_id)
-    first.click("#delete-session")
+    first.click("#delete-session")  # asks first: nothing is deleted yet
+    wait_text(first, '#manage-status', 'for good?', 30_000)
+    assert session_id in sessions_listed(first)
+    first.click("#confirm-delete")
     wait_text(first, '#manage-status', 'Deleted.', 30_000)
     assert session_id not in sessions_listed(first, lambda ids: session_id not in ids)
 

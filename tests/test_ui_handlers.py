@@ -327,6 +327,28 @@ def test_a_lane_cut_short_is_neither_found_nor_missed(reason, status, words):
     assert words in cards.lanes_html(view) and "✗" not in cards.lanes_html(view)
 
 
+def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
+    pieces = [f"w{i} " for i in range(30)]
+    pieces[21] = "the code is 4738"
+    pieces[22] = "291. "
+    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": pieces, "expected": "4738291"})
+    view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 26,
+                "full": [0, 1], "quantized": [4, 5], "promoted": [], "demoted": [], "evicted": [2, 3],
+                "scores": {}})
+    view.apply({"kind": "routing", "lane": "q", "step": 4, "layer": 0, "seen": 34, "recent_start": 30,
+                "full": [1, 4], "quantized": [0, 5, 6], "promoted": [4], "demoted": [0], "evicted": [2, 3],
+                "scores": {}})
+    assert view.answer_windows("q") == {"4738291": [4, 5]}  # tokens 21-22, windows (21-2)//4 and (22-2)//4
+    fig = plots.tier_map(view, "q", 0)
+    assert sorted(shape.y0 for shape in fig.layout.shapes) == [4, 5]
+    assert any("holds “4738291”" in a.text for a in fig.layout.annotations)
+    names = [trace.name for trace in fig.data]
+    assert names.index("promoted ▲") > names.index("demoted ▼")  # drawn last: on top
+    promoted = fig.data[names.index("promoted ▲")]
+    assert list(promoted.y) == [4] and promoted.marker.size > fig.data[names.index("demoted ▼")].marker.size
+
+
 def test_tier_map_codes_and_moves_follow_the_events():
     view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})

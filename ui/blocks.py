@@ -16,7 +16,7 @@ from . import sessions
 from .components import FormCheckbox, FormDropdown, FormNumber, FormRadio, FormSlider, FormTextbox
 from .handlers import CLEARED, Handlers, lane_choices
 from .examples import EXAMPLES
-from .form import MAX_NEW_TOKENS
+from .form import MAX_NEW_TOKENS, api_schema
 from .glossary import GLOSSARY
 from .studio import Studio
 
@@ -46,12 +46,14 @@ def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
                            label="Lanes side by side (tokens per layer, moves in windows; see the glossary)")
     p.memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
     with gr.Row():
-        p.lane = gr.Dropdown([], value=None, label="Routing shown for lane", elem_id=f"{prefix}shown-lane",
-                             allow_custom_value=True, scale=2, min_width=160)
+        p.lane = FormDropdown([], value=None, label="Routing shown for lane", elem_id=f"{prefix}shown-lane",
+                             allow_custom_value=True, scale=2, min_width=160).declare(api_schema("shown_lane"))
         p.layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer (0–{layers - 1})",
-                             elem_id=f"{prefix}layer", scale=3, min_width=160)
+                             elem_id=f"{prefix}layer", scale=3, min_width=160).declare(
+                                 {**api_schema("layer"), "maximum": layers - 1})
         p.head = FormSlider(0, heads - 1, value=0, step=1, elem_id=f"{prefix}head", scale=2, min_width=160,
-                            label=f"KV head, for a lane routed per head (0–{heads - 1})")
+                            label=f"KV head, for a lane routed per head (0–{heads - 1})").declare(
+                                {**api_schema("head"), "maximum": heads - 1})
     with gr.Row(equal_height=False):
         p.tier = gr.Plot(label="Tier map", show_label=False, elem_id=f"{prefix}tier-map", min_width=320)
         p.heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
@@ -68,38 +70,48 @@ def run_tab(studio: Studio) -> SimpleNamespace:
         with gr.Column(scale=3, min_width=300):
             t.example = gr.Dropdown(list(EXAMPLES), value=None, label="Example prompts", elem_id="example")
             t.hint = gr.Markdown(elem_id="example-hint")
-            t.prompt = FormTextbox(lines=6, max_lines=14, label="Prompt", elem_id="prompt")
+            t.prompt = FormTextbox(lines=6, max_lines=14, label="Prompt", elem_id="prompt").declare(
+                api_schema("prompt"))
             t.expected = FormTextbox("", label="Expected answer (optional: each lane is checked for it)",
-                                     elem_id="expected", max_length=200)
+                                     elem_id="expected", max_length=200).declare(api_schema("expected"))
         with gr.Column(scale=2, min_width=300):
             with gr.Row():
-                t.lanes = [FormDropdown(lane_choices(False), value=value, label=f"Lane {i}", elem_id=f"lane{i}")
+                t.lanes = [FormDropdown(lane_choices(False), value=value, label=f"Lane {i}",
+                                        elem_id=f"lane{i}").declare(api_schema("lane"))
                            for i, value in enumerate(("fullkv", "snapkv", "qevict"), start=1)]
             t.ablations = gr.Checkbox(False, label="Show ablations (R1, R2, no promotion, scorers, Ω, per-head "
                                       "routing, …) in the lane menus", elem_id="ablations")
             t.budget = FormSlider(0.01, 1.0, value=DEFAULTS.budget, step=0.01, elem_id="budget",
-                                  label="KV budget: share of FullKV's bytes (0.01–1)")
+                                  label="KV budget: share of FullKV's bytes (0.01–1)").declare(api_schema("budget"))
             t.max_new = FormSlider(1, MAX_NEW_TOKENS, value=64, step=1, elem_id="max-new",
-                                   label=f"Max new tokens (1–{MAX_NEW_TOKENS})")
+                                   label=f"Max new tokens (1–{MAX_NEW_TOKENS})").declare(api_schema("max_new_tokens"))
             with gr.Accordion("QEvict settings", open=False):
                 with gr.Row():
                     t.omega = FormSlider(1, 64, value=DEFAULTS.omega, step=1,
-                                         label="Ω: window and routing interval, tokens (1–64)")
+                                         label="Ω: window and routing interval, tokens (1–64)").declare(
+                                             api_schema("omega"))
                     t.q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
-                                          label="q: share of the history budget in low bits (0–1)")
+                                          label="q: share of the history budget in low bits (0–1)").declare(
+                                              api_schema("q_frac"))
                     t.coverage = FormSlider(0.0, 1.0, value=DEFAULTS.coverage or 0.0, step=0.05, elem_id="coverage",
                                             label="coverage κ: share of the windows the low-bit tier is sized for "
-                                                  "first (0 = split by q)")
+                                                  "first (0 = split by q)").declare(api_schema("coverage"))
                 with gr.Row():
-                    t.bits = FormRadio([2, 4], value=DEFAULTS.bits, label="low-bit tier: bits")
-                    t.scorer = FormDropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer, label="scorer")
-                    t.promotion = FormCheckbox(value=DEFAULTS.promotion, label="promotion")
+                    t.bits = FormRadio([2, 4], value=DEFAULTS.bits, label="low-bit tier: bits").declare(
+                        api_schema("bits"))
+                    t.scorer = FormDropdown(list(studio.choices["scorers"]), value=DEFAULTS.scorer,
+                                            label="scorer").declare(
+                        api_schema("scorer"))
+                    t.promotion = FormCheckbox(value=DEFAULTS.promotion, label="promotion").declare(
+                        api_schema("promotion"))
                 with gr.Row():
                     # No minimum/maximum here: Gradio would refuse before our form could say why.
-                    t.sinks = FormNumber(value=DEFAULTS.sinks, label="sinks (0–64)")
-                    t.recent = FormNumber(value=DEFAULTS.recent, label="recent (0–1024)")
-                    t.temperature = FormNumber(value=0.0, label="temperature (0 = greedy, up to 2)")
-                    t.seed = FormNumber(value=0, label="seed (0 or more)")
+                    t.sinks = FormNumber(value=DEFAULTS.sinks, label="sinks (0–64)").declare(api_schema("sinks"))
+                    t.recent = FormNumber(value=DEFAULTS.recent, label="recent (0–1024)").declare(
+                        api_schema("recent"))
+                    t.temperature = FormNumber(value=0.0, label="temperature (0 = greedy, up to 2)").declare(
+                        api_schema("temperature"))
+                    t.seed = FormNumber(value=0, label="seed (0 or more)").declare(api_schema("seed"))
     with gr.Row():
         t.generate = gr.Button("Generate", variant="primary", elem_id="generate")
         t.stop = gr.Button("Stop", elem_id="stop")
@@ -144,9 +156,10 @@ def sessions_tab() -> SimpleNamespace:
         s.open = gr.Button("Open in Replay", elem_id="open-session")
         s.export = gr.Button("Export JSON", elem_id="export-session")
         s.delete = gr.Button("Delete", variant="stop", elem_id="delete-session")
+        s.confirm = gr.Button("Confirm delete", variant="stop", elem_id="confirm-delete", visible=False)
     with gr.Accordion("Delete a session made in another browser", open=False):
         s.token = gr.Textbox(label="Delete token", type="password", elem_id="manage-token")
-    s.file = gr.File(label="Exported session", elem_id="export-file")
+    s.file = gr.File(label="Exported session", elem_id="export-file", interactive=False, visible=False)
     s.upload = gr.File(label=f"Import a session (.json, up to {max_import_bytes() / 2**20:.0f} MiB)",
                        file_types=[".json"], elem_id="import-file")
     s.status = gr.Markdown(elem_id="manage-status")
@@ -204,8 +217,8 @@ def build_demo(studio: Studio) -> gr.Blocks:
         for picker in (rv.layer, rv.head):
             picker.change(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
         rv.lane.input(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
-        r.play.click(lambda: gr.Timer(active=True), None, r.timer, **private)
-        r.pause.click(lambda: gr.Timer(active=False), None, r.timer, **private)
+        r.play.click(ev.play, None, r.timer, **private)
+        r.pause.click(ev.pause, None, r.timer, **private)
         r.timer.tick(ev.tick, [r.id, r.step, *pickers], [*shown, r.timer], **private)
         r.diagnose.click(ev.run_diagnostics, r.id, r.diagnostics, concurrency_id="gpu",
                          concurrency_limit=1, **private)
@@ -218,8 +231,10 @@ def build_demo(studio: Studio) -> gr.Blocks:
         s.table.select(ev.pick_row, None, s.id, **private)
         s.open.click(ev.open_session, [s.id, *pickers], [tabs, r.id, *shown], **private)
         s.export.click(ev.export_session, s.id, [s.file, s.status], **private)
-        s.upload.upload(ev.import_session, [s.upload, owned], [s.status, owned], **private)
-        s.delete.click(ev.delete_session, [s.id, s.token, owned], [s.status, owned], **private)
+        gr.on([s.upload.upload, s.upload.clear], ev.import_session, [s.upload, owned], [s.status, owned], **private)
+        s.delete.click(ev.ask_delete, s.id, [s.confirm, s.status], **private)
+        s.confirm.click(ev.delete_session, [s.id, s.token, owned], [s.status, owned, s.confirm], **private)
+        s.id.change(lambda: gr.update(visible=False), None, s.confirm, **private)  # a confirm is for one id
 
         # -- deep links and cleanup
         demo.load(ev.on_load, [*pickers, owned], [tabs, r.id, *shown, s.table], **private)

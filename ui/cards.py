@@ -4,6 +4,7 @@ the stats table. Pure functions; every piece of text that came from a visitor or
 from __future__ import annotations
 
 import html
+import re
 
 from .view import LaneView, RunView, window_tier
 
@@ -12,6 +13,7 @@ TIER_COLORS = {"sink": "#6b7280", "recent": "#3b82f6", "full": "#16a34a", "quant
 TIER_WORDS = {"sink": "sink", "recent": "recent", "full": "full precision", "quantized": "low-bit",
               "evicted": "evicted"}
 MiB = 2**20
+SPECIAL = re.compile(r"<\|[^|<>]{1,32}\|>")  # a chat template's markup tokens, <|im_end|> and the like
 
 
 def _esc(text: str) -> str:
@@ -157,7 +159,8 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
 
     def window_words(window: int) -> str:
         first = sinks + window * omega
-        snippet = " ".join(view.token_text(lane, first, first + omega).split())[:60]
+        text = SPECIAL.sub(" ", view.token_text(lane, first, first + omega))  # the chat template's markup
+        snippet = " ".join(text.split())[:60]
         return f"window {window} (tokens {first}–{first + omega - 1}, “{_esc(snippet)}”)"
 
     trips = "".join(f"<li>{window_words(w)} demoted at step {down}, promoted back at step {up}</li>"

@@ -9,6 +9,7 @@ class FormSlider(gr.Slider):
     """A slider whose value reaches ``ui.form`` unchecked."""
 
     is_template = True  # drawn by Gradio's own slider
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload
@@ -21,6 +22,7 @@ class FormDropdown(gr.Dropdown):
     """A dropdown whose value reaches ``ui.form`` unchecked (an unknown lane is the form's to refuse)."""
 
     is_template = True
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload
@@ -35,6 +37,7 @@ class FormRadio(gr.Radio):
     """A radio group whose value reaches ``ui.form`` unchecked."""
 
     is_template = True
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload
@@ -49,6 +52,7 @@ class FormTextbox(gr.Textbox):
     """A textbox whose value reaches ``ui.form`` unconverted (a list is refused there, not made a string)."""
 
     is_template = True
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload
@@ -63,6 +67,7 @@ class FormNumber(gr.Number):
     """A number box whose value reaches ``ui.form`` unconverted."""
 
     is_template = True
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload
@@ -77,6 +82,7 @@ class FormCheckbox(gr.Checkbox):
     """A checkbox whose value reaches ``ui.form`` unconverted ("yes" is not True)."""
 
     is_template = True
+    declare, api_info = declare, api_info
 
     def preprocess(self, payload):
         return payload

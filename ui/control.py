@@ -20,6 +20,7 @@ class TabRuns:
     running: set[str] = field(default_factory=set)
     live: dict[str, RunView] = field(default_factory=dict)
     replays: dict[str, tuple[str, int]] = field(default_factory=dict)
+    paused: set[str] = field(default_factory=set)  # tabs whose replay Pause stopped: a tick already sent is dropped
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def arm(self, key: str) -> None:
@@ -61,3 +62,4 @@ class TabRuns:
         with self._lock:
             for table in (self.live, self.replays):
                 table.pop(key, None)
+            self.paused.discard(key)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from qevict_core import QEvictConfig, Sampling
 from qevict_core.config import BITS, SCORERS
 from qevict_core.registry import METHODS
-from storage.schema import MAX_PROMPT_CHARS
+from storage.schema import MAX_PROMPT_CHARS, message
 
 NO_LANE = "(none)"
 MAX_NEW_TOKENS = 512
@@ -57,10 +57,10 @@ class RunForm(BaseModel):
     omega: Annotated[Whole, Field(ge=1, le=64)]
     q_frac: Annotated[float, _number(0.0, 1.0)]
     coverage: Annotated[float, _number(0.0, 1.0)] = QEvictConfig().coverage or 0.0  # 0: Eq. 3's split by q
-    bits: Whole
+    bits: Annotated[Whole, Field(json_schema_extra={"enum": list(BITS)})]
     sinks: Annotated[Whole, Field(ge=0, le=64)]
     recent: Annotated[Whole, Field(ge=0, le=1024)]
-    scorer: str
+    scorer: Annotated[str, Field(json_schema_extra={"enum": list(SCORERS)})]
     promotion: bool
     max_new_tokens: Annotated[Whole, Field(ge=1, le=MAX_NEW_TOKENS)]
     temperature: Annotated[float, _number(0.0, 2.0)] = 0.0
@@ -99,6 +99,27 @@ class RunForm(BaseModel):
         return scorer
 
 
+SCHEMA_KEYS = ("type", "enum", "minimum", "maximum", "maxLength", "default")
+
+
+def api_schema(name: str) -> dict:
+    """The JSON schema the ``/generate`` API advertises for one control: the form's own declaration (RunForm), so
+    the API says exactly what its validator accepts. Each lane takes one of the runnable methods (ablations too) or
+    "(none)"; ``layer``, ``head`` and ``shown_lane`` are the views' pickers, checked by the handler."""
+    if name == "lane":
+        return {"type": "string", "enum": [NO_LANE, *METHODS]}
+    if name in ("layer", "head"):
+        return {"type": "integer", "minimum": 0}
+    if name == "shown_lane":
+        return {"anyOf": [{"type": "string"}, {"type": "null"}],
+                "description": "the lane whose routing the views draw (a routed lane)"}
+    field = dict(RunForm.model_json_schema()["properties"][name])
+    # bounds pydantic could not turn into JSON schema's (a validator wraps the whole numbers) come as ge/le
+    field.setdefault("minimum", field.get("ge")) if "ge" in field else None
+    field.setdefault("maximum", field.get("le")) if "le" in field else None
+    return {key: field[key] for key in SCHEMA_KEYS if key in field}
+
+
 @dataclass(frozen=True)
 class RunRequest:
     prompt: str
@@ -134,9 +155,8 @@ def readable(err: ValidationError) -> str:
     problems = []
     for item in err.errors()[:4]:
         field = str(item["loc"][0]) if item["loc"] else "request"
-        message = item["msg"].removeprefix("Value error, ")
         value = repr(item.get("input"))
         shown = value if len(value) <= 40 else value[:37] + "..."
-        got = f" (got {shown})" if field not in ("prompt", "lanes") else ""
-        problems.append(f"{LABELS.get(field, field)}: {message}{got}")
+        got = f" (got {shown})" if field not in ("prompt", "lanes") and item.get("input") is not None else ""
+        problems.append(f"{LABELS.get(field, field)}: {message(item)}{got}")
     return "; ".join(problems) + "."

@@ -212,7 +212,17 @@ class Handlers:
     def load_replay(self, session_id, layer, head, lane, request: gr.Request):
         return self.show_replay(session_id, None, layer, head, lane, request)
 
+    def play(self, request: gr.Request):
+        self.tabs.paused.discard(_key(request))
+        return gr.Timer(active=True)
+
+    def pause(self, request: gr.Request):
+        self.tabs.paused.add(_key(request))
+        return gr.Timer(active=False)
+
     def tick(self, session_id, step, layer, head, lane, request: gr.Request):
+        if _key(request) in self.tabs.paused:  # a tick that left the browser before Pause: no further step
+            return (*([gr.skip()] * 12), gr.Timer(active=False))
         _, last = self.tabs.replays.get(_key(request), (None, 0))
         nxt = min(int(step or 0) + 1, last)
         return (*self.show_replay(session_id, nxt, layer, head, lane, request), gr.Timer(active=nxt < last))
@@ -240,17 +250,18 @@ class Handlers:
         return (gr.Tabs(selected="replay"), session_id, *self.show_replay(session_id, None, layer, head, lane, request))
 
     def export_session(self, session_id):
+        """-> (the download box, shown only with a file in it, and a status line)."""
         session_id = (session_id or "").strip()
         if self.studio.store.get(session_id) is None:
-            return None, f"**No such session:** `{session_id[:64]}`"
+            return gr.update(value=None, visible=False), f"**No such session:** `{session_id[:64]}`"
         path = os.path.join(tempfile.mkdtemp(prefix="qevict-"), f"qevict-session-{session_id}.json")
         with open(path, "w") as handle:
             json.dump(self.studio.store.export(session_id), handle)
-        return path, f"Exported `{session_id}`."
+        return gr.update(value=path, visible=True), f"Exported `{session_id}`: download it below."
 
     def import_session(self, file, owned):
-        if file is None:
-            return gr.skip(), gr.skip()
+        if file is None:  # cleared, or a file the browser refused: no earlier file's reason stays on screen
+            return "", gr.skip()
         path = file if isinstance(file, str) else file.name
         try:
             if os.path.getsize(path) > max_import_bytes():
@@ -262,12 +273,20 @@ class Handlers:
         return (f"Imported as `{new_id}` — listed above; open it with **Open in Replay**.",
                 sessions.add(owned, new_id, token))
 
+    def ask_delete(self, session_id):
+        """Delete asks first: -> (the confirm button, the status line)."""
+        session_id = (session_id or "").strip()
+        if not session_id:
+            return gr.update(visible=False), "Pick a session first (click a row)."
+        return (gr.update(visible=True),
+                f"Delete `{session_id[:64]}` for good? Its share link stops working. **Confirm delete** to go on.")
+
     def delete_session(self, session_id, typed_token, owned):
         session_id = (session_id or "").strip()
         token = sessions.token_for(owned, session_id) or (typed_token or "")
         if self.studio.store.delete(session_id, token):
-            return "Deleted.", sessions.remove(owned, session_id)
-        return "**Not deleted:** unknown session id or wrong delete token.", gr.skip()
+            return "Deleted.", sessions.remove(owned, session_id), gr.update(visible=False)
+        return "**Not deleted:** unknown session id or wrong delete token.", gr.skip(), gr.update(visible=False)
 
     def on_load(self, layer, head, lane, owned, request: gr.Request):
         """A share link (``?session=``) opens its run in Replay; the Sessions table lists this browser's runs."""

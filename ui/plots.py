@@ -80,10 +80,21 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     for name, color in zip(TIER_NAMES[1:], colors[1:]):  # a legend instead of a colour bar
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker={"symbol": "square", "size": 10, "color": color}))
-    fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted ▲",
-                             marker={"symbol": "triangle-up", "color": "#111827", "size": 8}))
+    # Demotions first and small, promotions last, larger and outlined: a promotion, the event the method exists
+    # for, stays visible when a window row is a pixel high and its neighbours are demoted at the same event.
+    outline = {"width": 1.5, "color": "#ffffff"}
     fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted ▼",
-                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": 8}))
+                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": 7, "line": outline},
+                             hovertemplate="event %{x}: window %{y} demoted<extra></extra>"))
+    fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted ▲",
+                             marker={"symbol": "triangle-up", "color": "#111827", "size": 13, "line": outline},
+                             hovertemplate="event %{x}: window %{y} promoted back<extra></extra>"))
+    for part, windows in view.answer_windows(lane).items():  # where the expected answer sits in the prompt
+        for window in windows:
+            fig.add_hline(y=window, line={"color": "#0ea5e9", "width": 2, "dash": "dot"})
+        fig.add_annotation(x=len(shown) - 0.5, y=windows[0], xanchor="right", yanchor="bottom", showarrow=False,
+                           text=f"holds “{part[:24]}”", font={"size": 11, "color": "#0369a1"},
+                           bgcolor="rgba(255,255,255,0.8)")
     fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event")
     fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},

@@ -147,6 +147,28 @@ class RunView:
             out[lane.name] = (sum(same) / n, prefix)
         return out
 
+    def answer_windows(self, lane: str | None) -> dict[str, list[int]]:
+        """Each part of the expected answer -> the windows of ``lane``'s grid that hold it in the prompt (the
+        first occurrence; a part split over windows gives them all)."""
+        pieces = self.request.get("prompt_tokens") or []
+        parts = [part.strip() for part in self.expected.split(";") if part.strip()]
+        if not pieces or not parts:
+            return {}
+        text, ends = "", []
+        for piece in pieces:
+            text += piece
+            ends.append(len(text))
+        sinks, omega = self.sinks(lane), self.omega(lane)
+        found = {}
+        for part in parts:
+            at = text.lower().find(part.lower())
+            if at < 0:
+                continue
+            first = next(i for i, end in enumerate(ends) if end > at)
+            last = next(i for i, end in enumerate(ends) if end >= at + len(part))
+            found[part] = sorted({(p - sinks) // omega for p in range(first, last + 1) if p >= sinks})
+        return found
+
     def token_text(self, lane: str, start: int, stop: int) -> str:
         """The text of absolute positions [start, stop) as ``lane`` saw them (prompt, then its own tokens)."""
         prompt = self.request.get("prompt_tokens") or []
