@@ -108,18 +108,31 @@ def add_model_args(parser, model_help: str = "bundled SmolLM2 by default; a loca
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; pin it on shared machines")
 
 
-def run_metadata(model_name: str, device: str) -> dict:
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        return ""
+
+
+def run_metadata(model_name: str, device: str) -> dict:
+    """What a row must say about where it came from: ``commit`` is HEAD and ``dirty`` whether a tracked file
+    differed from it (a row from a dirty tree is not reproducible from its commit)."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     # A copy of the tree sent to a lent GPU host may carry a .git that is not the tree's: the sender names the commit.
-    commit = os.environ.get("QEVICT_COMMIT") or commit
+    if os.environ.get("QEVICT_COMMIT"):
+        commit, dirty = os.environ["QEVICT_COMMIT"], os.environ.get("QEVICT_DIRTY", "0") == "1"
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
     return {"model": model_name, "device": device, "gpu": gpu, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "commit": commit, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+            "commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+
+
+def kv_dtype(cache) -> str:
+    """The dtype a cache stores full-precision keys and values in (its byte counts are in it), for rows."""
+    return str(cache.shape.dtype).removeprefix("torch.")
 
 
 def read_jsonl(paths) -> list[dict]:

@@ -26,7 +26,7 @@ from qevict_core.generation.prefill import prefill as read_prompt
 from qevict_core.generation.lanes_forward import forward_lanes
 
 from . import report
-from .common import RESULTS, Variant, add_model_args, append_jsonl, method_lanes, read_jsonl, setup
+from .common import RESULTS, Variant, add_model_args, append_jsonl, kv_dtype, method_lanes, read_jsonl, setup
 from .ruler_tasks import essay_sentences
 
 
@@ -85,7 +85,7 @@ def measure(model, tokens: torch.Tensor, prefill: int, lanes: list[tuple[str, fl
                      "k_full": summary.get("k_full"), "k_quant": summary.get("k_quant"),
                      "kl": kl[i].item() / steps, "top1": top1[i].item() / steps,
                      "ppl": math.exp(nll[i].item() / scored), "ppl_fullkv": math.exp(nll[0].item() / scored),
-                     "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"]})
+                     "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"], "kv_dtype": kv_dtype(cache)})
         if curves:
             rows[-1].update(kl_steps=[float(v[i]) for v in kl_steps], top1_steps=[float(v[i]) for v in top1_steps])
     return rows

@@ -88,10 +88,37 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
                      "choice, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
 
 
+def footing(folders: str, results: Path = RESULTS) -> str:
+    """One line under a table: what its caches were stored in and whether its rows came from committed code, read
+    from the rows themselves (every JSONL under the folders)."""
+    rows = read_jsonl(sorted(f for name in folders.split("+") for f in (results / name).rglob("*.jsonl")))
+    if not rows:
+        return ""
+    stored = sorted({r.get("kv_dtype") or "" for r in rows})
+    words = []
+    for dtype in stored:
+        if dtype:
+            words.append(f"{dtype} (`kv_dtype`)")
+        elif all(str(r.get("device", "cpu")).startswith("cpu") for r in rows if not r.get("kv_dtype")):
+            words.append("float32, the model's dtype on this CPU (rows from before 16-bit caches: their budgets are "
+                         "shares of a float32 cache, which counts a low-bit window at half the share it has in 16 bits)")
+        else:
+            words.append("the model's dtype (rows from before 16-bit caches)")
+    dirty = sum(bool(r.get("dirty")) for r in rows)
+    commits = sorted({r["commit"] for r in rows if r.get("commit")})
+    line = f"*Caches stored in {' and '.join(words)}. Rows: {len(rows)}"
+    line += f" at commit{'s' if len(commits) > 1 else ''} {', '.join(commits[:4])}{' …' if len(commits) > 4 else ''}"
+    line += f", {dirty} from a tree with uncommitted changes.*" if dirty else ".*"
+    return line
+
+
 def rendered(text: str, results: Path = RESULTS) -> str:
-    """``text`` with every marked table rendered afresh."""
-    return MARKER.sub(lambda m: m.group(1) + render(m.group(2), m.group(3), results).rstrip("\n") + "\n"
-                      + m.group(5), text)
+    """``text`` with every marked table rendered afresh, each with its footing line."""
+    def table(m) -> str:
+        body = render(m.group(2), m.group(3), results).rstrip("\n")
+        line = footing(m.group(3), results) if m.group(2) != "conditions" else ""
+        return m.group(1) + body + ("\n\n" + line if line else "") + "\n" + m.group(5)
+    return MARKER.sub(table, text)
 
 
 def update_documents(root: Path = ROOT, results: Path = RESULTS) -> list[Path]:

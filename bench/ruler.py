@@ -24,9 +24,9 @@ from tqdm import tqdm
 from qevict_core import Lane, Sampling, generate_lanes
 
 from . import report
-from .common import (RESULTS, Variant, add_model_args, append_jsonl, default_device, method_lanes, parse_shard, read_jsonl,
-                     setup)
-from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, sample_seed, sized_sample, string_match_all
+from .common import (RESULTS, Variant, add_model_args, append_jsonl, default_device, kv_dtype, method_lanes, parse_shard,
+                     read_jsonl, setup)
+from .ruler_tasks import DEFAULT_TASKS, TASKS, Sample, haystack_source, sample_seed, sized_sample, string_match_all
 
 
 def decode_until_answered(model, tokenizer, ids: torch.Tensor, lanes: list[Lane], sample: Sample) -> None:
@@ -93,7 +93,8 @@ def run(args) -> None:
                 "kv_ratio": memory["ratio"], "budget_ratio": memory["budget_ratio"],
                 "total_bytes": memory["total_bytes"], "k_full": summary.get("k_full"),
                 "k_quant": summary.get("k_quant"), "prefill_s_shared": lane.prefill_seconds,
-                "decode_s": lane.decode_seconds, "depth": args.depth, "haystack": args.haystack, **meta,
+                "decode_s": lane.decode_seconds, "depth": args.depth, "haystack": haystack_source(args.haystack),
+                "kv_dtype": kv_dtype(lane.cache), **meta,
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
 
 

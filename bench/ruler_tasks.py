@@ -103,6 +103,13 @@ def essay_sentences(source: str = "auto") -> tuple[str, ...]:
     return tuple(s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s)
 
 
+def haystack_source(source: str = "auto") -> str:
+    """The prose a run's samples are built from, resolved: "pg" or "austen" (rows store this, not "auto")."""
+    if source == "auto":
+        return "pg" if _paul_graham_essays() is not None else "austen"
+    return source
+
+
 def _paul_graham_essays() -> str | None:
     import importlib.util
 

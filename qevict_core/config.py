@@ -17,6 +17,7 @@ from typing import Any
 
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
+KV_DTYPES = ("bfloat16", "float16", "model")
 POOL_DIRECTIONS = ("both", "forward")
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
 # A scorer is one file of engine/scorers/ named after it (tests/test_architecture.py checks the names match),
@@ -112,9 +113,13 @@ class QEvictConfig:
                                   "the budget is scarce a window kept in low bits beats one evicted", float, low=0,
                                   high=1, open=("low",), optional=True, none="split by q_frac")
     bits: int = knob(4, "method", "precision of the recoverable tier", int, choices=BITS)
-    scale_dtype: str = knob("float16", "method", "storage of the low-bit tier's scales and zero-points; codes are "
-                            "computed against the stored, rounded pair, so the error bound stays half a step", str,
-                            choices=SCALE_DTYPES)
+    kv_dtype: str = knob("bfloat16", "method", "storage of every full-precision key and value, FullKV's included, "
+                         "whatever the model computes in: 16 bits, as deployed, so budgets are shares of a 16-bit "
+                         "cache; model = the model's own dtype (float32 on a CPU: not a deployed footing)", str,
+                         choices=KV_DTYPES)
+    scale_dtype: str = knob("float16", "method", "storage of the low-bit tier's scales and zero-points (model: "
+                            "kv_dtype); codes are computed against the stored, rounded pair, so the error bound stays "
+                            "half a step", str, choices=SCALE_DTYPES)
     scorer: str = knob("cumulative", "method", "window ranking function (Appendix J)", str, choices=SCORERS)
     pool: int = knob(1, "method", "neighbour pooling radius r, in windows: a window ranks by the largest score "
                      "within r windows of it (its own first on ties), so a kept window keeps the text that "
@@ -174,11 +179,17 @@ class QEvictConfig:
                 raise ValueError(f"pool needs an attention scorer {pooled}, not {self.scorer}, whose scores are not "
                                  f"attention masses (got pool={self.pool!r})")
 
-    def param_dtype(self, model_dtype):
-        """The dtype the low-bit tier stores its scales and zero-points in, for a model of ``model_dtype``."""
+    def storage_dtype(self, model_dtype):
+        """The dtype every full-precision key and value is stored in, for a model computing in ``model_dtype``."""
         import torch
 
-        return model_dtype if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
+        return model_dtype if self.kv_dtype == "model" else getattr(torch, self.kv_dtype)
+
+    def param_dtype(self, kv_dtype):
+        """The dtype the low-bit tier stores its scales and zero-points in, for a cache storing ``kv_dtype``."""
+        import torch
+
+        return kv_dtype if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
 
     def replace(self, **changes) -> QEvictConfig:
         return replace(self, **changes)

@@ -66,7 +66,7 @@ def _qevict(name: str, same_capacity: bool = False) -> Callable[..., Any]:
         own = METHODS[name].lane_config(config)
         cache = None
         if same_capacity and config.k_full is None:
-            plan = plan_tiers(KVShape.from_model(model, batch_size), config, max_length,
+            plan = plan_tiers(KVShape.from_model(model, batch_size, config), config, max_length,
                               interval_table=make_scorer(config).keeps_interval)
             if not plan.uncompressed:
                 fixed = own.replace(k_full=plan.k_full * config.omega // own.omega,

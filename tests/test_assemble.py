@@ -14,10 +14,10 @@ from tests.test_equivalence import _Tok
 
 def reference_assemble(config):
     """``assemble`` with the old arithmetic: shifts to unpack, the rotary module per position, a cat."""
-    def run(ledger, fp_keys, fp_values, cos, sin):
+    def run(ledger, fp_keys, fp_values, cos, sin, dtype=None):
         rope = run.rope
         positions = window_positions(ledger.ids, config.sinks, config.omega)
-        return assemble_reference(ledger, fp_keys, fp_values, rope, positions)
+        return assemble_reference(ledger, fp_keys, fp_values, rope, positions, dtype)
     return run
 
 
@@ -41,8 +41,8 @@ def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bit
                 positions = window_positions(layer.quant.ids, config.sinks, config.omega)
                 cache.begin_forward(0)  # a fresh table, as a forward would build it
                 cos, sin = cache.rope_rows(layer.sink_k, positions)
-                fast = assemble(layer.quant, *layer_parts(layer), cos, sin)
-                slow = assemble_reference(layer.quant, *layer_parts(layer), cache.rope, positions)
+                fast = assemble(layer.quant, *layer_parts(layer), cos, sin, dtype=dtype)
+                slow = assemble_reference(layer.quant, *layer_parts(layer), cache.rope, positions, dtype)
                 assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
                 checked += layer.quant.num_windows > 0
     assert checked > 40  # the quantized tier was there to compare

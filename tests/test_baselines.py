@@ -92,7 +92,8 @@ def test_prefill_policies_keep_their_top_scored_tokens(method):
 def test_snapkv_scores_match_eager_reimplementation():
     model = tiny_model("llama", 2)
     prompt = random_prompt(500)
-    cache = make_cache("snapkv", model, QEvictConfig(budget=0.2), max_length=510)
+    # float32 keys, as eager attention's reference reads them (the scoring is what is compared, not storage)
+    cache = make_cache("snapkv", model, QEvictConfig(budget=0.2, kv_dtype="model"), max_length=510)
     recorded = recording(cache)
     with torch.inference_mode():
         model(prompt, **{KV: cache})
@@ -110,8 +111,8 @@ def test_snapkv_scores_match_eager_reimplementation():
 def test_h2o_keeps_recent_plus_heavy_hitters_of_eager_attention():
     model = tiny_model("qwen2", 2)
     prompt = random_prompt(500)
-    cache = make_cache("h2o", model, QEvictConfig(budget=0.2), max_length=510)
-    full = make_cache("fullkv", model, None, max_length=510)
+    cache = make_cache("h2o", model, QEvictConfig(budget=0.2, kv_dtype="model"), max_length=510)  # as eager's
+    full = make_cache("fullkv", model, QEvictConfig(kv_dtype="model"), max_length=510)
     with torch.inference_mode():
         model(prompt, **{KV: cache})
         model(prompt, **{KV: full})

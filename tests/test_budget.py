@@ -68,14 +68,14 @@ def test_budget_holds_over_300_steps(kv_heads, budget):
     assert sum(report["components"].values()) == report["total_bytes"]
 
 
-@pytest.mark.parametrize("budget", [0.1, 0.3])
+@pytest.mark.parametrize("budget", [0.1, 0.5])
 def test_coverage_first_holds_the_budget_with_and_without_a_full_tier(budget):
     cache = run_within_budget("qevict", tiny_model("llama", 2), budget)
     assert (cache.config.bits, cache.config.scale_dtype, cache.config.coverage) == (4, "float16", 0.7)
     for tiers in cache.tier_counts():
         assert tiers["quantized"] > 0 and tiers["evicted"] > 0
-        # At 10% INT4 windows for 70% of the sequence do not fit, so no full window is bought; at 30% they do.
-        assert (tiers["full"] > 0) == (budget == 0.3)
+        # At 10% INT4 windows for 70% of the sequence do not fit, so no full window is bought; at 50% they do.
+        assert (tiers["full"] > 0) == (budget == 0.5)
 
 
 def test_capacities_follow_eq3():
@@ -118,7 +118,7 @@ def test_coverage_sizes_the_low_bit_tier_first_and_buys_full_windows_with_the_re
 
 def test_coverage_first_sizes_the_low_bit_tier_before_the_full_one():
     model = tiny_model("llama", 2)
-    for budget in (0.1, 0.3):
+    for budget in (0.1, 0.5):
         config = QEvictConfig(budget=budget)
         lane = make_cache("qevict", model, config, max_length=2000)
         half = make_cache("qevict", model, config.replace(coverage=None), max_length=2000).plan  # Eq. 3's split
@@ -207,24 +207,25 @@ def test_int4_windows_cost_more_bytes_and_fewer_fit_the_same_budget():
     model, config = tiny_model("llama", 2), QEvictConfig(budget=0.2, scale_dtype="model", coverage=None)
     int2 = make_cache("qevict", model, config.replace(bits=2), max_length=500)
     int4 = make_cache("qevict", model, config, max_length=500)
-    (p2, p4), shape = (int2.plan, int4.plan), KVShape.from_model(model)
+    (p2, p4), shape = (int2.plan, int4.plan), KVShape.from_model(model, 1, config)
     assert p4.quant_window_bytes > p2.quant_window_bytes and p4.k_quant < p2.k_quant
     assert p4.budget_bytes == p2.budget_bytes
     assert p4.quant_window_bytes == quant_window_bytes(shape, config.omega, 4)
 
 
 def test_half_precision_scales_halve_a_windows_parameters_and_buy_windows_only_on_a_wider_model():
-    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2, coverage=None)
+    # a float32 cache (kv_dtype="model" beside a float32 model): pairs in the keys' dtype are 4 bytes
+    model, default = tiny_model("llama", 2), QEvictConfig(budget=0.2, coverage=None, kv_dtype="model")
     int4 = make_cache("qevict", model, default.replace(scale_dtype="model"), max_length=500)
     half = make_cache("qevict", model, default, max_length=500)
-    shape = KVShape.from_model(model)
+    shape = KVShape.from_model(model, 1, default)
     # Per window: packed codes and an id, then a scale and a zero-point per key channel and per value token.
     codes = 2 * shape.num_kv_heads * default.omega * shape.head_dim * 4 // 8 + 4
     pairs = 2 * shape.num_kv_heads * (shape.head_dim + default.omega)
     assert int4.plan.quant_window_bytes == codes + 4 * pairs
     assert half.plan.quant_window_bytes == codes + 2 * pairs
     assert half.plan.k_quant > int4.plan.k_quant and half.plan.budget_bytes == int4.plan.budget_bytes
-    # A bfloat16 model already stores 2-byte pairs: float16 ones buy nothing there.
+    # A bfloat16 cache (the default) already stores 2-byte pairs: float16 ones buy nothing there.
     bf16 = KVShape(2, 2, 4, 16, torch.bfloat16)
     assert plan_tiers(bf16, default.replace(scale_dtype="float16"), 500) == plan_tiers(bf16, default, 500)
 
@@ -264,7 +265,7 @@ def test_the_promotion_ablation_runs_at_qevicts_capacities():
     assert (nopromo.plan.k_full, nopromo.plan.k_quant) == (qevict.plan.k_full, qevict.plan.k_quant)
     assert not nopromo.config.promotion and not nopromo.plan.keeps_dormant
     # Left to Eq. 3 alone it would get more full windows: none of them reserves a ledger record.
-    own = plan_tiers(KVShape.from_model(model), config.replace(promotion=False), 1000)
+    own = plan_tiers(KVShape.from_model(model, 1, config), config.replace(promotion=False), 1000)
     assert own.k_full > qevict.plan.k_full
     decode_to_max_length(model, nopromo)
     assert nopromo.memory_report()["total_bytes"] <= nopromo.budget_bytes
@@ -273,12 +274,14 @@ def test_the_promotion_ablation_runs_at_qevicts_capacities():
 
 def test_scorer_and_window_ablations_run_at_qevicts_capacities_when_they_fit():
     model = tiny_model("llama", 2)
-    config = QEvictConfig(budget=0.3)
+    config = QEvictConfig(budget=0.5)
     base = make_cache("qevict", model, config, max_length=1000).plan
     for scorer in ("decay", "pnorm", "keynorm"):
         cache = make_cache(f"qevict_{scorer}", model, config, max_length=1000)
         assert cache.config.scorer == scorer
         assert (cache.plan.k_full, cache.plan.k_quant) == (base.k_full, base.k_quant)
+    config = config.replace(budget=0.3)  # a budget that Ω = 4 at the same tokens overflows
+    base = make_cache("qevict", model, config, max_length=1000).plan
     wide = make_cache("qevict_omega16", model, config, max_length=1000)
     assert (wide.plan.k_full, wide.plan.k_quant) == (base.k_full * 8 // 16, base.k_quant * 8 // 16)
     # Ω = 4 at the same tokens needs twice the window ids, key scales and scores: more than the budget holds, so
@@ -287,7 +290,7 @@ def test_scorer_and_window_ablations_run_at_qevicts_capacities_when_they_fit():
         make_cache("qevict", model, config.replace(omega=4, k_full=base.k_full * 2, k_quant=base.k_quant * 2),
                    max_length=1000)
     narrow = make_cache("qevict_omega4", model, config, max_length=1000)
-    own = plan_tiers(KVShape.from_model(model), config.replace(omega=4), 1000)
+    own = plan_tiers(KVShape.from_model(model, 1, config), config.replace(omega=4), 1000)
     assert narrow.config.omega == 4 and (narrow.plan.k_full, narrow.plan.k_quant) == (own.k_full, own.k_quant)
     for cache in (wide, narrow):
         decode_to_max_length(model, cache)

@@ -299,7 +299,7 @@ def test_the_cpu_kernel_generates_the_torch_paths_tokens(family, kv_heads, bits)
     prompt = torch.cat([random_prompt(400), random_prompt(400, seed=2)])
     results = {}
     for kernels in ("torch", "cpu"):  # 48 steps: six routing events after the prefill, with promotions
-        cache = make_cache("qevict", model, QEvictConfig(budget=0.2, bits=bits, kernels=kernels, coverage=None),
+        cache = make_cache("qevict", model, QEvictConfig(budget=0.4, bits=bits, kernels=kernels, coverage=None),
                            max_length=400 + 48, batch_size=2)
         assert cache.backend.name == kernels
         out = model.generate(prompt, **{KV: cache}, max_new_tokens=48, min_new_tokens=48, do_sample=False)
@@ -316,7 +316,8 @@ def test_narrow_scales_generate_the_same_tokens_on_both_paths_within_budget(meth
     model = tiny_model("llama", 2)
     prompt = random_prompt(400)
     results = {}
-    config = QEvictConfig(budget=0.2, bits=4, scale_dtype=scale_dtype)
+    # pairs narrower than the keys: a float32 cache (a 16-bit one stores "model" pairs in 16 bits already)
+    config = QEvictConfig(budget=0.2, bits=4, scale_dtype=scale_dtype, kv_dtype="model")
     wide_plan = make_cache(method, model, config.replace(scale_dtype="model"), max_length=448).plan
     for kernels in ("torch", "cpu"):
         cache = make_cache(method, model, config.replace(kernels=kernels), max_length=448)

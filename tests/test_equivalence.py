@@ -22,30 +22,68 @@ def _greedy_with_logits(model, prompt, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-def test_full_budget_matches_dynamic_cache(any_tiny_model):
+class RoundedDynamicCache(DynamicCache):
+    """transformers' cache holding each key and value as ``dtype`` would store it: the reference of a 16-bit
+    cache beside a float32 model, built without any of this package's code."""
+
+    def __init__(self, config, dtype):
+        super().__init__(config=config)
+        self.stored = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rounded = (t.to(self.stored).to(t.dtype) for t in (key_states, value_states))
+        return super().update(*rounded, layer_idx, *args, **kwargs)
+
+
+def test_full_budget_is_fullkv_and_fullkv_is_transformers_cache(any_tiny_model):
     prompt = random_prompt(150)
-    ref_tokens, ref_logits = _greedy_with_logits(any_tiny_model, prompt, DynamicCache(config=any_tiny_model.config))
-    cache = make_cache("qevict", any_tiny_model, QEvictConfig(budget=1.0), max_length=150 + NEW)
-    assert cache.plan.uncompressed and cache.plan.k_quant == 0
-    tokens, logits = _greedy_with_logits(any_tiny_model, prompt, cache)
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    # Nothing was routed or quantized, and the bytes are FullKV's: no score table on top.
-    assert not cache.events and all(t["quantized"] == t["evicted"] == 0 for t in cache.tier_counts())
-    report = cache.memory_report()
-    assert report["total_bytes"] == report["fullkv_bytes"] == cache.shape.fullkv_bytes(150 + NEW - 1)
+    for kv_dtype, reference in (("model", DynamicCache(config=any_tiny_model.config)),
+                                ("bfloat16", RoundedDynamicCache(any_tiny_model.config, torch.bfloat16))):
+        ref_tokens, ref_logits = _greedy_with_logits(any_tiny_model, prompt, reference)
+        config = QEvictConfig(budget=1.0, kv_dtype=kv_dtype)
+        for method in ("qevict", "fullkv"):
+            cache = make_cache(method, any_tiny_model, config, max_length=150 + NEW)
+            tokens, logits = _greedy_with_logits(any_tiny_model, prompt, cache)
+            assert torch.equal(tokens, ref_tokens), (kv_dtype, method)
+            torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+            report = cache.memory_report()
+            assert report["total_bytes"] == report["fullkv_bytes"] == cache.shape.fullkv_bytes(150 + NEW - 1)
+            if method == "qevict":  # nothing routed or quantized, and the bytes are FullKV's: no score table
+                assert cache.plan.uncompressed and cache.plan.k_quant == 0 and not cache.events
+                assert all(t["quantized"] == t["evicted"] == 0 for t in cache.tier_counts())
 
 
-def test_fullkv_method_matches_dynamic_cache():
+def test_every_method_stores_sixteen_bits_beside_a_float32_model():
+    """Budgets are shares of a 16-bit cache: FullKV's bytes per token are half a float32 cache's, and no method
+    keeps a float32 key or value, whichever tier holds it."""
     model = tiny_model("llama", 2)
-    prompt = random_prompt(90)
-    ref_tokens, ref_logits = _greedy_with_logits(model, prompt, DynamicCache(config=model.config))
-    cache = make_cache("fullkv", model, None, max_length=90 + NEW)
-    tokens, logits = _greedy_with_logits(model, prompt, cache)
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    report = cache.memory_report()
-    assert report["total_bytes"] == report["fullkv_bytes"] == cache.shape.fullkv_bytes(90 + NEW - 1)
+    prompt = random_prompt(200)
+    wide = make_cache("fullkv", model, QEvictConfig(kv_dtype="model"), max_length=240)
+    for method in ("fullkv", "qevict", "qevict_head", "snapkv", "adakv", "kivi2", "kvquant2", "zipcache"):
+        cache = make_cache(method, model, QEvictConfig(budget=0.3, kv_dtype="float16"), max_length=240)
+        assert cache.shape.token_bytes() * 2 == wide.shape.token_bytes()
+        model.generate(prompt, **{KV: cache}, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        stored = {t.dtype for layer in cache.layers for t in _tensors(layer)
+                  if t.is_floating_point() and t.shape[-1] == model.config.head_dim}
+        assert stored == {torch.float16}, (method, stored)
+
+
+def _tensors(obj, depth=0):
+    """Every tensor an object holds in its attributes (lists and nested objects too)."""
+    if depth > 3:
+        return
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif hasattr(item, "__dict__") and not isinstance(item, torch.nn.Module):
+                    yield from _tensors(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module) and depth < 2 \
+                and type(value).__module__.startswith("qevict_core.engine"):
+            yield from _tensors(value, depth + 1)
 
 
 def test_decode_loop_and_model_generate_agree_under_compression():

@@ -93,7 +93,7 @@ def test_one_way_ablation_never_promotes():
 def _record(layer, window: int):
     ids = layer.quant.ids[0].tolist()
     one = layer.quant.select(torch.tensor([[ids.index(window)]]))
-    return one, one.dequantize(layer.full_k.dtype)  # in the model's dtype, as promotion does (pairs may be float16)
+    return one, one.dequantize(layer.owner.compute_dtype)  # in the model's dtype, as promotion does
 
 
 def test_promote_demote_cycles_keep_the_record_bit_identical():
@@ -122,7 +122,7 @@ def test_promote_demote_cycles_keep_the_record_bit_identical():
         slot = layer.full_ids[0].tolist().index(target)
         full_k = layer.full_k[:, :, slot * OMEGA:(slot + 1) * OMEGA]
         rotated = d.cache.rope.rotate(k0, window_positions(torch.tensor([[target]]), SINKS, OMEGA))
-        assert torch.equal(full_k, rotated)  # promotion restores exactly the dequantized record
+        assert torch.equal(full_k, rotated.to(full_k.dtype))  # promotion restores the dequantized record, stored
         route_with_score(middle)
         again, (k1, v1) = _record(layer, target)
         assert torch.equal(again.k_codes, record.k_codes) and torch.equal(again.k_scale, record.k_scale)

@@ -63,14 +63,14 @@ def test_bad_input_gives_readable_errors(prompt, methods, overrides, message):
 def test_coverage_from_the_form_reaches_the_cache_and_the_stored_request(studio):
     assert request().config.coverage == 0.7  # the slider's default is the default's coverage
     assert request(coverage=0.0).config.coverage is None  # 0: Eq. 3's split by q
-    final = list(studio.run(request(methods=("qevict",), coverage=0.7)))[-1]
+    final = list(studio.run(request(methods=("qevict",), coverage=0.7, budget=0.6)))[-1]
     assert final.status == "done"
     stored = studio.store.get(final.session_id)["request"]["config"]
     assert stored["coverage"] == 0.7
     lane = final.view.lanes["qevict"]
     assert lane.total_bytes <= lane.budget_bytes
-    by_q = list(studio.run(request(methods=("qevict",), coverage=0.0)))[-1].view.lanes["qevict"].summary
-    # At 30% of this short sequence INT2 windows for 70% of it fit with bytes to spare: fewer INT2 windows than
+    by_q = list(studio.run(request(methods=("qevict",), coverage=0.0, budget=0.6)))[-1].view.lanes["qevict"].summary
+    # At 60% of this short sequence INT2 windows for 70% of it fit with bytes to spare: fewer INT2 windows than
     # q = 0.7's split, and the rest buys more full ones.
     assert lane.summary["k_quant"] < by_q["k_quant"] and lane.summary["k_full"] > by_q["k_full"]
 

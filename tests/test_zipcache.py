@@ -42,7 +42,7 @@ def test_decoded_tokens_stream_into_the_stores_and_bytes_are_measured():
     layer = cache.layers[0]
     assert layer.high.tokens == round(0.4 * 300) + round(0.4 * 100)
     report = cache.memory_report()
-    assert report["total_bytes"] == walked_bytes(cache) and report["ratio"] < 0.35
+    assert report["total_bytes"] == walked_bytes(cache) and report["ratio"] < 0.4  # of a 16-bit FullKV
     full = make_cache("fullkv", model, None, max_length=440)
     reference = model.generate(prompt, **{KV: full}, max_new_tokens=130, min_new_tokens=130, do_sample=False)[0, 300:]
     # Greedy paths part once one token differs; the start of the answer is FullKV's.

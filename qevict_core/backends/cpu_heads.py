@@ -28,7 +28,7 @@ def attend(layer, query: torch.Tensor, scaling: float):
     width = sinks + -(-(max(lens) - sinks) // omega) * omega  # whole windows after the sinks, for the window sums
     # Every head's [sinks | full | recent | zeros] in one copy per tensor: (1, 1, H·F, D) viewed as (H, F, D). Padded
     # logits are masked; padded values must be finite, since they meet probabilities of exactly 0.
-    pad = query.new_zeros(1, 1, width - min(lens), d)
+    pad = query.new_zeros(1, 1, width - min(lens), d, dtype=torch.float32)  # cat widens 16-bit tiers to it
     keys = torch.cat([t for head, n in zip(heads, lens) for t in (head.sink_k, head.full_k, head.recent_k,
                                                                   pad[:, :, :width - n])], dim=2).view(h, width, d)
     values = torch.cat([t for head, n in zip(heads, lens) for t in (head.sink_v, head.full_v, head.recent_v,

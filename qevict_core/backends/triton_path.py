@@ -24,6 +24,8 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     b, hq, lq, d = query.shape
     hkv = fp_keys.shape[1]
     rows = query.reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
+    if fp_keys.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32 (the interpreter's tests)
+        fp_keys, fp_values = fp_keys.to(query.dtype), fp_values.to(query.dtype)
     fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
     fp_out, fp_lse = fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3])  # (B, Hq, L, ·) as rows
     quant, owner = layer.quant, layer.owner

@@ -195,7 +195,7 @@ class EvictionCache(ReportingCache):
                              f"only (got {batch_size})")
         self.method = method
         self.policy = policy
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         self.plan = plan_eviction(shape, config, policy, max_length)
         self.evicted = 0
         layers = [EvictionLayer(i, self) for i in range(shape.num_layers)]

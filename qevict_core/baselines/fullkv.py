@@ -38,7 +38,7 @@ class FullKVCache(ReportingCache):
     layer_class: type = FullKVLayer
 
     def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         layers = [self.layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)

@@ -90,7 +90,7 @@ class KIVICache(ReportingCache):
             raise ValueError(f"KIVI residual length {residual} must be a multiple of the group size {group}")
         self.method = f"kivi{bits}"
         self.bits, self.group, self.residual = bits, group, residual
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         layers = [KIVILayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)

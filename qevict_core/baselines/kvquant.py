@@ -192,7 +192,7 @@ class KVQuantCache(ReportingCache):
         self.method = f"kvquant{bits}"
         self.bits, self.outlier_frac, self.sinks = bits, outlier_frac, sinks
         self.rope = Rope.from_model(model)
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         layers = [KVQuantLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)

@@ -142,7 +142,7 @@ class ZipCacheCache(ReportingCache):
             raise ValueError(f"salient_frac must lie in [0, 1] (got {salient_frac!r})")
         self.method = "zipcache"
         self.high_bits, self.low_bits, self.salient_frac, self.stream = high_bits, low_bits, salient_frac, stream
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         layers = [ZipCacheLayer(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)

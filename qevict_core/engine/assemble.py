@@ -25,9 +25,12 @@ from .rope import Rope
 
 
 def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],
-             cos: torch.Tensor, sin: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             cos: torch.Tensor, sin: torch.Tensor, capacity: int = 0,
+             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ledger: the quantized tier (pre-RoPE keys); fp_*: full-precision tiers (B, H, n_i, D) in order; cos, sin
-    (B, 1, n*Ω, D): rows for the tier's positions. -> keys, values (B, H, N, D).
+    (B, 1, n*Ω, D): rows for the tier's positions. -> keys, values (B, H, N, D) in ``dtype`` (default the
+    full-precision tiers': a cache passes the dtype attention computes in, so a 16-bit cache beside a float32 model
+    dequantizes in float32, as the kernels do, and widens its 16-bit tiers once).
 
     ``capacity``: allocate room for that many tokens and return views of the first N. A caller whose N grows
     from call to call (a prompt read in chunks) then asks the allocator for the same size every time, which it
@@ -35,8 +38,9 @@ def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[
     b, h, nq, _ = ledger.v_codes.shape
     d = fp_keys[0].shape[-1]
     total = nq + sum(t.shape[2] for t in fp_keys)
-    keys = fp_keys[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]  # (B, H, N, D)
-    values = fp_values[0].new_empty(b, h, max(total, capacity), d)[:, :, :total]
+    dtype = dtype or fp_keys[0].dtype
+    keys = fp_keys[0].new_empty(b, h, max(total, capacity), d, dtype=dtype)[:, :, :total]  # (B, H, N, D)
+    values = fp_values[0].new_empty(b, h, max(total, capacity), d, dtype=dtype)[:, :, :total]
     by_window = ledger.k_codes.reshape(b, h, ledger.num_windows, ledger.omega, -1)  # (B, H, n, Ω, D/c)
     quant_keys = dequantize_packed(by_window, ledger.bits, ledger.k_scale.unsqueeze(3), ledger.k_zero.unsqueeze(3),
                                    dtype=keys.dtype)
@@ -63,8 +67,11 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def assemble_reference(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],
-                       rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The path ``assemble`` replaced: unpack with shifts, rotate with the rotary module, concatenate."""
-    quant_keys, quant_values = ledger.dequantize_reference(fp_keys[0].dtype)  # narrower pairs widen to it
-    keys = torch.cat([rope.rotate(quant_keys, positions), *fp_keys], dim=2)
-    return keys, torch.cat([quant_values, *fp_values], dim=2)
+                       rope: Rope, positions: torch.Tensor,
+                       dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path ``assemble`` replaced: unpack with shifts, rotate with the rotary module, concatenate (in
+    ``dtype``, default the full-precision tiers')."""
+    dtype = dtype or fp_keys[0].dtype
+    quant_keys, quant_values = ledger.dequantize_reference(dtype)  # narrower pairs widen to it
+    keys = torch.cat([rope.rotate(quant_keys, positions), *(k.to(dtype) for k in fp_keys)], dim=2)
+    return keys, torch.cat([quant_values, *(v.to(dtype) for v in fp_values)], dim=2)

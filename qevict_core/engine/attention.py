@@ -92,6 +92,8 @@ def sdpa_with_positions(module, query, key, value, scaling: float, dropout: floa
     bottom-right causal. Single queries and whole-prompt prefill take SDPA's unmasked and ``is_causal`` paths,
     exactly as transformers' own SDPA attention does (on CUDA, its flash backend: FlashAttention-2).
     """
+    if key.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32: widened for this call
+        key, value = key.to(query.dtype), value.to(query.dtype)
     q_len, k_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < q_len < k_len:

@@ -22,7 +22,8 @@ FLAG_BYTES = torch.empty(0, dtype=torch.bool).element_size()
 
 @dataclass(frozen=True)
 class KVShape:
-    """What the KV cache of one model at one batch size looks like."""
+    """What the KV cache of one model at one batch size looks like; ``dtype`` is what it stores full-precision keys
+    and values in (every byte count here is in it)."""
 
     num_layers: int
     num_kv_heads: int
@@ -32,7 +33,9 @@ class KVShape:
     batch: int = 1
 
     @classmethod
-    def from_model(cls, model, batch: int = 1) -> KVShape:
+    def from_model(cls, model, batch: int = 1, config: QEvictConfig | None = None) -> KVShape:
+        """``dtype``: what the cache stores keys and values in, ``config.kv_dtype`` (16 bits by default); without a
+        config, the model's own dtype (a view of a model that stores its cache itself, as vLLM does)."""
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(
@@ -40,7 +43,7 @@ class KVShape:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             num_q_heads=cfg.num_attention_heads,
             head_dim=head_dim,
-            dtype=model.dtype,
+            dtype=config.storage_dtype(model.dtype) if config is not None else model.dtype,
             batch=batch,
         )
 

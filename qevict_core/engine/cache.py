@@ -41,7 +41,7 @@ class QEvictCache(ReportingCache):
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int = 1):
         self.config = config
         self.scorer = make_scorer(config)
-        shape = KVShape.from_model(model, batch_size)
+        shape = KVShape.from_model(model, batch_size, config)
         param = next(model.parameters())
         self.backend = backends.choose(config.kernels, param.device, param.dtype)  # chosen once, for every step
         self.plan = plan_tiers(self.plan_shape(shape), config, max_length, interval_table=self.scorer.keeps_interval)
@@ -75,7 +75,7 @@ class QEvictCache(ReportingCache):
         reused by every other layer of this forward (30 layers used to compute cos/sin of their own quantized
         positions each step)."""
         if self._rope_table is None:
-            self._rope_table = self.rope.table(like, self.schedule.seen)
+            self._rope_table = self.rope.table(self._computing(like), self.schedule.seen)
         return self._rope_table
 
     def rope_rows(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,12 @@ class QEvictCache(ReportingCache):
         it (decode on the CPU), else from the rotary module (the same numbers; no table of every position)."""
         if self._rope_table is not None:
             return self.rope_rows(like, positions)
-        return self.rope.cos_sin(like, positions)
+        return self.rope.cos_sin(self._computing(like), positions)
+
+    def _computing(self, like: torch.Tensor) -> torch.Tensor:
+        """What the rotary module reads for device and dtype: cos and sin in the model's dtype, also where ``like``
+        is a 16-bit tier, so that rotation and un-rotation compute as attention does."""
+        return like if like.dtype == self.compute_dtype else like.new_empty(0, dtype=self.compute_dtype)
 
     def note_workspace(self, nbytes: int) -> None:
         table = sum(t.nbytes for t in self._rope_table) if self._rope_table is not None else 0

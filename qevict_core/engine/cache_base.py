@@ -112,7 +112,9 @@ class ReportingCache(Cache):
         self.staging = False  # the next forwards are chunks of the prompt before its last (set by prefill.py)
         self.peak_bytes = 0
         self.own_seconds = 0.0  # time spent in this cache's own work inside shared forwards (lanes_forward.py)
-        self.device_type = next(model.parameters()).device.type
+        param = next(model.parameters())
+        self.device_type = param.device.type
+        self.compute_dtype = param.dtype  # what attention computes in; shape.dtype is what the cache stores
         self._layer_bytes = [0] * len(layers)
         self._attention_modules = _attention_modules(model, len(layers))
 
@@ -121,6 +123,8 @@ class ReportingCache(Cache):
         if layer_idx == 0:
             self.step += not self.staging
             self.begin_forward(key_states.shape[-2])
+        if key_states.dtype != self.shape.dtype:  # stored in kv_dtype (16 bits) whatever the model computes in
+            key_states, value_states = key_states.to(self.shape.dtype), value_states.to(self.shape.dtype)
         # The attention function finds the layer through its module: the cache attaches itself while in use.
         self._attention_modules[layer_idx].qevict_layer = self.layers[layer_idx]
         keys, values = self.layers[layer_idx].update(key_states, value_states)

@@ -83,7 +83,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
         positions = window_positions(fresh_ids, sinks, omega)
         pre_rope = unrotate(ws_keys.index_select(2, tok), *owner.cos_sin(ws_keys, positions))
         parts.append(WindowLedger.quantize(pre_rope, ws_values.index_select(2, tok), fresh_ids, omega,
-                                           owner.config.bits, owner.config.param_dtype(keys.dtype)))
+                                           owner.config.bits, owner.config.param_dtype(owner.shape.dtype)))
         q_rec = q_rec.masked_scatter(need, n_records + torch.arange(n_fresh))
     parts = [p for p in parts if p.num_windows]
     joined = parts[0].cat(*parts[1:]) if parts else None
@@ -95,13 +95,14 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     if n_promoted:
         windows = joined.select(f_rec[promoted].unsqueeze(0))
         cos, sin = owner.rope_rows(ws_keys, window_positions(windows.ids, sinks, omega))
-        source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, sin)
+        source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, sin, dtype=owner.compute_dtype)
         owner.note_workspace(source_k.nbytes + source_v.nbytes)
         f_start = torch.where(promoted, (promoted.cumsum(0) - 1) * omega, f_start + n_promoted * omega)
     tok = _tokens(f_start, omega)
-    full_k, full_v = source_k.index_select(2, tok), source_v.index_select(2, tok)
+    stored = owner.shape.dtype  # the workspace may be in the model's dtype
+    full_k, full_v = source_k.index_select(2, tok).to(stored), source_v.index_select(2, tok).to(stored)
     if joined is None:
-        joined = WindowLedger.empty(1, 1, d, omega, owner.config.bits, owner.config.param_dtype(keys.dtype),
+        joined = WindowLedger.empty(1, 1, d, omega, owner.config.bits, owner.config.param_dtype(stored),
                                     keys.device, 1)
     quant_ledger = joined.select(q_rec.unsqueeze(0))
 

@@ -66,8 +66,9 @@ class PromptStage:
             layer.recent_k.shape[0], -1)
         tokens = n * BLOCK
         cos, sin = layer.owner.cos_sin(layer.recent_k, window_positions(ids, self.sinks, BLOCK))
+        # codes against the pairs as stored (the keys come out of un-rotation in attention's dtype)
         fresh = WindowLedger.quantize(unrotate(layer.recent_k[:, :, :tokens], cos, sin),
-                                      layer.recent_v[:, :, :tokens], ids, BLOCK, BITS)
+                                      layer.recent_v[:, :, :tokens], ids, BLOCK, BITS, self.store.k_scale.dtype)
         first, last = self.count * BLOCK, (self.count + n) * BLOCK
         store = self.store
         store.ids[:, self.count:self.count + n] = fresh.ids
@@ -83,7 +84,8 @@ class PromptStage:
     def keys_values(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """[stage | sinks | recent], full precision: a transient copy of the prompt so far (attention is order-free
         once keys are rotated; the chunk's own tokens come last, as ``sdpa_with_positions`` needs)."""
-        return self._restore(layer, [layer.sink_k, layer.recent_k], [layer.sink_v, layer.recent_v])
+        return self._restore(layer, [layer.sink_k, layer.recent_k], [layer.sink_v, layer.recent_v],
+                             layer.owner.compute_dtype)
 
     def positions(self, layer) -> torch.Tensor:
         """(B, N) absolute positions of the keys of :meth:`keys_values`, in its order."""
@@ -110,18 +112,20 @@ class PromptStage:
         """The last chunk: the stage back into the front of the recent region, which then holds the whole prompt
         after the sinks, as when the prompt is read whole."""
         if self.count:
-            layer.recent_k, layer.recent_v = self._restore(layer, [layer.recent_k], [layer.recent_v])
+            layer.recent_k, layer.recent_v = self._restore(layer, [layer.recent_k], [layer.recent_v],
+                                                           layer.owner.shape.dtype)
             layer.recent_start -= self.num_tokens
 
-    def _restore(self, layer, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        """[dequantized, re-rotated stage | *keys]: ``assemble``, the PyTorch decode path's rebuild."""
+    def _restore(self, layer, keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype):
+        """[dequantized, re-rotated stage | *keys] in ``dtype`` (attention's, or the cache's when it is kept):
+        ``assemble``, the PyTorch decode path's rebuild."""
         if self.count:
             blocks = self.blocks
             cos, sin = layer.owner.rope_rows(keys[0], window_positions(blocks.ids, self.sinks, BLOCK))
-            return assemble(blocks, keys, values, cos, sin, capacity=self.capacity)
+            return assemble(blocks, keys, values, cos, sin, capacity=self.capacity, dtype=dtype)
         total = sum(k.shape[2] for k in keys)
         b, h, _, d = keys[0].shape
-        return tuple(torch.cat(parts, dim=2, out=parts[0].new_empty(b, h, self.capacity, d)[:, :, :total])
+        return tuple(torch.cat(parts, dim=2, out=parts[0].new_empty(b, h, self.capacity, d, dtype=dtype)[:, :, :total])
                      for parts in (keys, values))
 
     def nbytes(self) -> int:

@@ -44,7 +44,7 @@ class QEvictLayer(ReportingLayer):
         self.sink_k = self.sink_v = self.full_k = self.full_v = self.recent_k = self.recent_v = empty
         self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
         ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
-                                    owner.config.param_dtype(key_states.dtype), key_states.device)
+                                    owner.config.param_dtype(owner.shape.dtype), key_states.device)
         self.quant = ledger
         self.dormant = ledger if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
@@ -89,7 +89,7 @@ class QEvictLayer(ReportingLayer):
         counted as workspace."""
         windows = self.quant if windows is None else windows
         cos, sin = self.owner.rope_rows(self.sink_k, window_positions(windows.ids, *self._grid))
-        keys, values = assemble(windows, keys, values, cos, sin)
+        keys, values = assemble(windows, keys, values, cos, sin, dtype=self.owner.compute_dtype)
         self.owner.note_workspace(keys.nbytes + values.nbytes)
         return keys, values
 
@@ -236,7 +236,8 @@ class QEvictLayer(ReportingLayer):
                             fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
 
         full_tok = _token_index(starts, decision.full, omega)
-        self.full_k, self.full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+        stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
+        self.full_k, self.full_v = gather_seq(keys, full_tok).to(stored), gather_seq(values, full_tok).to(stored)
         self.full_ids = cand_ids.gather(1, decision.full)
 
         # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
@@ -254,7 +255,7 @@ class QEvictLayer(ReportingLayer):
             positions = window_positions(cand_ids.gather(1, chosen), sinks, omega)
             pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
             records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
-                                                 omega, owner.config.bits, owner.config.param_dtype(keys.dtype)))
+                                                 omega, owner.config.bits, owner.config.param_dtype(stored)))
             fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
             quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
         joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]

@@ -26,12 +26,14 @@ def quantize(x: torch.Tensor, bits: int, dim: int,
     """Quantize ``x`` with one (scale, zero) pair per slice reduced along ``dim``.
 
     Returns unpacked uint8 codes and scale/zero in ``param_dtype`` (default ``x``'s dtype), kept along ``dim`` with
-    size 1. Dequantization (in ``x``'s dtype) errs by at most scale / 2 per element (round to nearest).
+    size 1. Dequantization errs by at most scale / 2 per element (round to nearest), computed in float32 (a 16-bit
+    result adds its own rounding).
     """
     levels = (1 << bits) - 1
     lo = x.amin(dim=dim, keepdim=True)
     hi = x.amax(dim=dim, keepdim=True)
-    if param_dtype is not None and param_dtype != x.dtype:
+    param_dtype = param_dtype or x.dtype
+    if param_dtype != x.dtype or x.element_size() < 4:  # 16-bit inputs: codes computed in float32 all the same
         return _quantize_narrow(x, lo, hi, levels, param_dtype)
     scale = (hi - lo) / levels
     return _codes(x, lo, scale, levels), scale, lo
@@ -45,7 +47,7 @@ def _codes(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int
 
 def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int,
                      param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Parameters stored in another dtype than ``x``: the zero-point rounded down and the scale up to
+    """Parameters stored in another dtype than ``x``, or ``x`` in 16 bits: the zero-point rounded down and the scale up to
     ``param_dtype``, so that [zero, zero + levels * scale] still covers the slice, and the codes computed against
     the stored pair: the half-step bound holds for the pair dequantization reads, not for one it never sees. The
     arithmetic runs in float32 at least, where every float16 and bfloat16 pair is exact."""

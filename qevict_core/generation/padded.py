@@ -12,11 +12,11 @@ trades the batched attention for correctness); the model's projections and MLPs 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from ..engine.budget import KVShape
 from ..engine.cache_base import ReportingCache, ReportingLayer
 
 
@@ -69,7 +69,7 @@ class RowCache(ReportingCache):
         self._build_row = build_row
         self.rows = [build_row(max_length) for _ in range(batch_size)]
         layers = [RowLayer(i, self) for i in range(len(self.rows[0].layers))]
-        super().__init__(layers, model, KVShape.from_model(model, batch_size), max_length, None)
+        super().__init__(layers, model, replace(self.rows[0].shape, batch=batch_size), max_length, None)
         self._sum_budgets()
         self.method, self.config = self.rows[0].method, self.rows[0].config
         self._pads: list[int] | None = None
