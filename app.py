@@ -42,6 +42,7 @@ def create_demo(model=None, tokenizer=None, database_url: str | None = None, mod
         model, tokenizer = load_model(name, device="cuda" if on_zerogpu else os.environ.get("QEVICT_DEVICE"),
                                       dtype="bfloat16" if on_zerogpu else None)
     store = SessionStore(make_engine(database_url))
+    store.migrate()  # sessions stored by an earlier version, in the current shape (idempotent)
     store.mark_interrupted()  # runs cut off by a crash or restart say so instead of "running" forever
     studio = Studio(model, tokenizer, store, model_name or DEFAULT_MODEL)
     # Generation and diagnostics share one model worker (concurrency_id "gpu", limit 1); replays, drawings and the

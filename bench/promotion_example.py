@@ -4,8 +4,9 @@ and promotes it back while it answers, and both FullKV and QEvict find the answe
     python -m bench.promotion_example --threads 2      # writes ui/promotion_example.json
 
 Candidates are tried in a fixed order (passage start in Pride and Prejudice x needle depth), each through the
-studio's own run (lanes FullKV, SnapKV, QEvict at QEvictConfig()'s defaults, greedy); the first that qualifies is
-written, with the layer, the window and the steps of its demotion and promotion. The rule is fixed before the
+studio's own run (lanes FullKV, SnapKV, QEvict at QEvictConfig()'s defaults but for the budget, ``--budget``: at the
+default's 20% of a 16-bit cache its low-bit tier takes every byte and no window is full, so none can be promoted;
+greedy); the first that qualifies is written, with the layer, the window and the steps of its demotion and promotion. The rule is fixed before the
 search: FullKV and QEvict contain the answer; some layer has a window in an event's ``demoted`` at a decode step and
 in a later event's ``promoted``.
 """
@@ -39,6 +40,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.promotion_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "ui" / "promotion_example.json"))
+    parser.add_argument("--budget", type=float, default=0.4, help="the example's KV budget (it sets the form's)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     from qevict_core import QEvictConfig
@@ -53,7 +55,7 @@ def main(argv=None) -> None:
     for start in STARTS:
         for depth in DEPTHS:
             prompt = needle_in_austen(key=KEY, value=VALUE, start=start, depth=depth)
-            request = parse_request(prompt, ["fullkv", "snapkv", "qevict"], d.budget, d.omega, d.q_frac, d.bits,
+            request = parse_request(prompt, ["fullkv", "snapkv", "qevict"], args.budget, d.omega, d.q_frac, d.bits,
                                     d.sinks, d.recent, d.scorer, d.promotion, NEW_TOKENS, expected=VALUE,
                                     coverage=d.coverage or 0.0)
             view = list(studio.run(request))[-1].view
@@ -66,6 +68,7 @@ def main(argv=None) -> None:
                 text = view.token_text("qevict", first, first + view.omega("qevict")).strip()
                 Path(args.out).write_text(json.dumps(
                     {"start": start, "depth": depth, "key": KEY, "value": VALUE, "max_new_tokens": NEW_TOKENS,
+                     "budget": args.budget,
                      "layer": layer, "window": window, "demoted_step": down, "promoted_step": up,
                      "text": text[:60], **meta}, indent=1) + "\n")
                 print(f"wrote {args.out}")

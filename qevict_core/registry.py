@@ -192,39 +192,6 @@ METHODS: dict[str, MethodSpec] = {
         "He et al. 2024; ThisisBillhe/ZipCache (exact saliency instead of probe tokens)")),
 }
 
-# Removed methods, for sessions stored or exported before they went: name -> (the method that runs it now, the
-# config fields it set on top of that method's). Their committed result rows keep their names.
-RETIRED: dict[str, tuple[str, dict[str, Any]]] = {
-    "qevict_int4": ("qevict", dict(bits=4, scale_dtype="model", coverage=None, pool=0, pool_weight=1.0,
-                                   pool_direction="both")),
-    "qevict_int4_f16scale": ("qevict", dict(bits=4, scale_dtype="float16", coverage=None, pool=0, pool_weight=1.0,
-                                            pool_direction="both")),
-    "qevict_cover": ("qevict", dict(bits=4, scale_dtype="float16", coverage=0.7, pool=0, pool_weight=1.0,
-                                    pool_direction="both")),
-    "qevict_pool": ("qevict", dict(pool=1, pool_weight=1.0, pool_direction="both")),
-    "qevict_head_pool": ("qevict_head", dict(pool=1, pool_weight=1.0, pool_direction="both", head_floor=0.2)),
-    "qevict_head_nopool": ("qevict_head", dict(pool=0, head_floor=0.2)),
-    "qevict_head_own": ("qevict_head", dict(pool=0, head_floor=0.2, head_blend=0.0)),
-}
-
-
-def resolve(name: str) -> tuple[str, dict[str, Any]]:
-    """(method, config changes) for a method named by a stored session: a retired name maps to what runs it now."""
-    if name in METHODS:
-        return name, {}
-    if name in RETIRED:
-        return RETIRED[name]
-    method_info(name)  # raises, naming the allowed methods
-    raise AssertionError(name)
-
-
-def stored_lane_config(name: str, config: QEvictConfig) -> QEvictConfig:
-    """The config a lane of a session stored without per-lane configs ran with: the form's, with its method's
-    fields (a retired method's on top of those of the method that replaced it)."""
-    method, changes = resolve(name)
-    return METHODS[method].lane_config(config).replace(**changes)
-
-
 def method_names(ablations: bool = False) -> list[str]:
     """The product's methods, or every runnable name with ``ablations=True`` (nothing is imported)."""
     return [name for name, spec in METHODS.items() if ablations or spec.kind == "method"]
@@ -238,8 +205,6 @@ def list_methods(ablations: bool = False) -> dict[str, str]:
 
 def method_info(name: str) -> MethodSpec:
     if name not in METHODS:
-        retired = (f"; {name!r} was removed (it is {RETIRED[name][0]} with {RETIRED[name][1]})"
-                   if name in RETIRED else "")
-        raise ValueError(f"unknown method {name!r}{retired}; methods: {sorted(method_names())}, ablations: "
+        raise ValueError(f"unknown method {name!r}; methods: {sorted(method_names())}, ablations: "
                          f"{sorted(set(METHODS) - set(method_names()))}")
     return METHODS[name]

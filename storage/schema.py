@@ -8,15 +8,17 @@ models, so one malformed document is refused with a message instead of reaching 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qevict_core import QEvictConfig
-from qevict_core.registry import METHODS, RETIRED, stored_lane_config
+from qevict_core.registry import METHODS
 
-EXPORT_FORMAT = "qevict-session/1"
+from .migrate import FORMAT as EXPORT_FORMAT, upgrade_document
+
 MAX_LANES = 3
 MAX_PROMPT_CHARS = 200_000
 MAX_PROMPT_TOKENS = 131_072  # beyond any context the studio serves
@@ -49,20 +51,21 @@ class LaneSpec(BaseModel):
     method: str
     budget_bytes: Annotated[int, Field(ge=1, le=10**15)] | None = None  # when the studio raised this lane's budget
     note: Annotated[str, Field(max_length=1000)] = ""
-    config: dict[Key, Any] | None = None  # what the lane ran with (sessions stored before lanes kept it: None)
+    config: dict[Key, Any]  # what the lane ran with, whole (older sessions are upgraded: storage/migrate.py)
 
     @field_validator("method")
     @classmethod
     def _known(cls, method: str) -> str:
-        if method not in METHODS and method not in RETIRED:  # a retired name replays as what replaced it
+        if method not in METHODS:
             raise ValueError(f"unknown method {method[:40]!r}; allowed: {sorted(METHODS)}")
         return method
 
     @field_validator("config")
     @classmethod
-    def _config(cls, config: dict | None) -> dict | None:
-        if config is not None:
-            QEvictConfig.from_dict(config)  # its own checks: types, ranges, finite numbers, known keys
+    def _config(cls, config: dict) -> dict:
+        QEvictConfig.from_dict(config)  # its own checks: types, ranges, finite numbers, known keys
+        if "kv_dtype" not in config:  # the one field whose default changed what a run stored
+            raise ValueError("a lane's config must say its kv_dtype (what its cache stored keys and values in)")
         return config
 
 
@@ -172,7 +175,7 @@ class SessionSpec(BaseModel):
 
 class SessionDocument(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-    format: Literal["qevict-session/1"]
+    format: Literal["qevict-session/2"]
     session: SessionSpec
     events: Annotated[list[EventDoc], Field(max_length=MAX_EVENTS)]
 
@@ -196,7 +199,7 @@ class SessionDocument(BaseModel):
 def _window_bound(request: RequestSpec, lane: LaneSpec) -> int:
     """The largest window id a lane's routing can name: that of the session's last token (prompt + new tokens)
     at the lane's own Ω and sinks, so no stored id can make a drawing larger than the run it shows."""
-    config = lane.config or stored_lane_config(lane.method, QEvictConfig.from_dict(request.config)).to_dict()
+    config = lane.config
     total = request.prompt_length + request.sampling.max_new_tokens
     return max(0, (total - 1 - int(config.get("sinks", 0))) // int(config.get("omega", 1)))
 
@@ -213,11 +216,15 @@ def _check_routing(i: int, event: RoutingDoc, bound: int, total: int) -> None:
 
 
 def parse_document(raw: bytes | str | dict) -> SessionDocument:
-    """A validated export, or ValueError with what is wrong (the first few problems, by location)."""
+    """A validated export (one of format 1 upgraded first), or ValueError with what is wrong (the first few
+    problems, by location)."""
     try:
-        if isinstance(raw, dict):
-            return SessionDocument.model_validate(raw)
-        return SessionDocument.model_validate_json(raw)
+        if not isinstance(raw, dict):
+            try:
+                raw = json.loads(raw)
+            except ValueError as err:
+                raise ValueError(f"document: not JSON ({err})") from None
+        return SessionDocument.model_validate(upgrade_document(raw))
     except ValidationError as err:
         raise ValueError(describe(err)) from None
 

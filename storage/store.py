@@ -84,6 +84,13 @@ class SessionStore:
             db.delete(row)
         return True
 
+    def migrate(self) -> int:
+        """At start-up: stored sessions brought to the current shape of a request (storage/migrate.py), once;
+        -> how many were rewritten (0 the second time)."""
+        from .migrate import migrate
+
+        return migrate(self.engine)
+
     def mark_interrupted(self) -> int:
         """At start-up: sessions still "running" were cut off by a crash or restart. -> how many."""
         with self._sessions.begin() as db:

@@ -2,7 +2,9 @@
 
 import pytest
 
-from bench.markers import DOCUMENTS, MARKER, ROOT, render, rendered
+import json
+
+from bench.markers import DOCUMENTS, MARKER, ROOT, footing, render, rendered
 
 
 @pytest.mark.parametrize("name", DOCUMENTS)
@@ -36,3 +38,17 @@ def test_the_front_pages_stay_short(name, most):
     engine.md: how the engine works (why, in docs/decisions.md)."""
     lines = (ROOT / name).read_text().count("\n")
     assert lines < most, f"{name} has {lines} lines; move detail out (most {most})"
+
+
+def test_a_tables_footing_says_what_its_rows_stored_and_whether_they_came_from_committed_code(tmp_path):
+    rows = [{"kv_dtype": "bfloat16", "commit": "abc1234", "dirty": False, "device": "cpu"},
+            {"kv_dtype": "bfloat16", "commit": "abc1234", "dirty": True, "device": "cpu"},
+            {"commit": "0ld0ld0", "device": "cpu"}]  # before rows recorded kv_dtype: a float32 cache on a CPU
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ruler-a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = footing("run", tmp_path)
+    assert line.startswith("*Caches stored in float32, the model's dtype on this CPU (rows from before 16-bit")
+    assert " and bfloat16 (`kv_dtype`). Rows: 3 at commits 0ld0ld0, abc1234, 1 from a tree with uncommitted " \
+           "changes.*" in line
+    (tmp_path / "empty").mkdir()
+    assert footing("empty", tmp_path) == ""

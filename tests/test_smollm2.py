@@ -35,7 +35,7 @@ def test_full_budget_matches_dynamic_cache_on_smollm2(smollm2):
     assert torch.equal(out, ref)
 
 
-def test_budget_02_on_long_prompt_is_fluent(smollm2):
+def test_the_default_at_20_percent_on_a_long_prompt_is_fluent(smollm2):
     model, tok = smollm2
     prompt = passage_prompt(tok, 1450)
     assert 1400 < prompt.shape[1] < 1600
@@ -51,7 +51,9 @@ def test_budget_02_on_long_prompt_is_fluent(smollm2):
     assert max(four_grams.values()) <= 2, f"repetition loop: {lane.text!r}"
     assert len(set(words)) / len(words) > 0.4, lane.text
     tiers = cache.tier_counts()[10]
-    assert tiers["full"] and tiers["quantized"] and tiers["evicted"]
+    assert tiers["quantized"] and tiers["evicted"]
+    # At 20% of a 16-bit cache the low-bit tier's 70% coverage takes every historical byte: no full window.
+    assert not tiers["full"] and cache.plan.k_full == 0
 
 
 def test_cli_json_output_parses(tmp_path):

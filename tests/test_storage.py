@@ -11,8 +11,10 @@ from sqlalchemy.exc import StatementError
 from qevict_core import QEvictConfig
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
+from storage.schema import parse_document
 
-REQUEST = {"model": "tiny", "lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "qevict", "method": "qevict"}],
+REQUEST = {"model": "tiny", "lanes": [{"name": "fullkv", "method": "fullkv", "config": QEvictConfig().to_dict()},
+                                      {"name": "qevict", "method": "qevict", "config": QEvictConfig().to_dict()}],
            "config": QEvictConfig().to_dict(), "sampling": {"max_new_tokens": 8, "temperature": 0.0, "seed": 0},
            "prompt_length": 3, "prompt_tokens": ["a", "b", "c"], "prompt_span": [0, 3]}
 EVENTS = [{"kind": "token", "lane": lane, "step": i, "token_id": i, "text": f"t{i}", "seconds": 0.1}
@@ -25,7 +27,7 @@ def store(database_url):
 
 
 def export_doc(**session_changes):
-    return {"format": "qevict-session/1", "session": {"prompt": "a prompt", "request": copy.deepcopy(REQUEST),
+    return {"format": "qevict-session/2", "session": {"prompt": "a prompt", "request": copy.deepcopy(REQUEST),
                                                        **session_changes}, "events": copy.deepcopy(EVENTS)}
 
 
@@ -104,7 +106,10 @@ POISONED = [
     ({**export_doc(), "events": [{**EVENTS[0], "lane": "snapkv"}]}, "belongs to lane 'snapkv'"),
     ({**export_doc(), "events": EVENTS + [{**EVENTS[0], "step": 8}]}, "beyond max_new_tokens=8"),
     ({**export_doc(), "events": EVENTS + [{**EVENTS[0], "seconds": float("nan")}]}, "finite number"),
-    (export_doc(request={**REQUEST, "lanes": [{"name": "x", "method": "magic"}]}), "unknown method 'magic'"),
+    (export_doc(request={**REQUEST, "lanes": [{"name": "x", "method": "magic", "config": {}}]}),
+     "unknown method 'magic'"),
+    (export_doc(request={**REQUEST, "lanes": [{"name": "x", "method": "qevict", "config": {"omega": 8}}]}),
+     "must say its kv_dtype"),
     (export_doc(request={**REQUEST, "config": {"omega": 0}}), "omega must be an integer >= 1"),
     (export_doc(request={**REQUEST, "sampling": {"max_new_tokens": 8, "temperature": 1e999, "seed": 0}}),
      "finite number"),
@@ -164,3 +169,51 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path):
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+
+
+# A request as the studio stored it before lanes kept their configs and before 16-bit caches, naming a method since
+# removed: what the migration and the import of a format-1 file must bring to the current shape.
+OLD_FORM = {k: v for k, v in QEvictConfig(budget=0.3, bits=2).to_dict().items() if k != "kv_dtype"}
+OLD_REQUEST = {**REQUEST, "config": OLD_FORM,
+               "lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "qevict_cover", "method": "qevict_cover"}]}
+
+
+def assert_upgraded(request):
+    fullkv, cover = request["lanes"]
+    assert request["config"]["kv_dtype"] == "model"  # what those runs stored keys and values in
+    assert fullkv["config"]["kv_dtype"] == cover["config"]["kv_dtype"] == "model"
+    # the retired name runs as what it became, with the fields it stood for over the session's form
+    assert cover["name"] == "qevict_cover" and cover["method"] == "qevict"
+    assert (cover["config"]["coverage"], cover["config"]["bits"], cover["config"]["budget"]) == (0.7, 4, 0.3)
+
+
+def test_an_old_database_is_migrated_once(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path}/old.sqlite")
+    with engine.begin() as conn:  # rows as an earlier version wrote them, past today's checks
+        for sid, request in (("old", OLD_REQUEST), ("new", REQUEST)):
+            conn.execute(SessionRow.__table__.insert().values(
+                id=sid, delete_token_hash="x", status="done", title=sid, prompt="p", request=request, summary={}))
+        conn.execute(SessionRow.__table__.insert().values(
+            id="broken", delete_token_hash="x", status="done", title="b", prompt="p", request={}, summary={}))
+        conn.execute(text("UPDATE sessions SET request = '{not json' WHERE id = 'broken'"))
+        conn.execute(EventRow.__table__.insert(), [{"session_id": "old", "seq": i, "step": e["step"],
+                                                    "lane": e["lane"].replace("qevict", "qevict_cover"),
+                                                    "kind": e["kind"], "payload": {**e, "lane": e["lane"].replace(
+                                                        "qevict", "qevict_cover")}} for i, e in enumerate(EVENTS)])
+    store = SessionStore(engine)
+    with pytest.raises(ValueError):  # before: today's schema cannot read it
+        parse_document(store.export("old"))
+    assert store.migrate() == 1  # the old row; the current one and the unreadable one are left
+    assert store.migrate() == 0  # idempotent
+    assert_upgraded(store.get("old")["request"])
+    assert store.get("new")["request"] == REQUEST
+    parse_document(store.export("old"))  # replayable: it fits today's schema whole
+
+
+def test_a_format_1_export_is_imported_in_the_current_shape(store):
+    doc = {"format": "qevict-session/1", "session": {"prompt": "p", "request": OLD_REQUEST},
+           "events": [{**e, "lane": e["lane"].replace("qevict", "qevict_cover")} for e in EVENTS]}
+    new_id, _ = store.import_session(json.dumps(doc))
+    exported = store.export(new_id)
+    assert exported["format"] == "qevict-session/2"
+    assert_upgraded(exported["session"]["request"])

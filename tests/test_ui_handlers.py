@@ -8,7 +8,7 @@ from sqlalchemy import update as sql_update
 
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
-from qevict_core import make_cache
+from qevict_core import QEvictConfig, make_cache
 from tests.conftest import tiny_chat_model, tiny_model, tiny_tokenizer
 from ui import cards, plots, sessions
 from ui.control import TabRuns
@@ -69,6 +69,7 @@ def test_coverage_from_the_form_reaches_the_cache_and_the_stored_request(studio)
     assert stored["coverage"] == 0.7
     lane = final.view.lanes["qevict"]
     assert lane.total_bytes <= lane.budget_bytes
+    assert stored["kv_dtype"] == "bfloat16" and "of FullKV, both in bfloat16" in cards.lanes_html(final.view)
     by_q = list(studio.run(request(methods=("qevict",), coverage=0.0, budget=0.6)))[-1].view.lanes["qevict"].summary
     # At 60% of this short sequence INT2 windows for 70% of it fit with bytes to spare: fewer INT2 windows than
     # q = 0.7's split, and the rest buys more full ones.
@@ -319,7 +320,7 @@ def test_lane_cards_point_at_the_result():
     (None, "running", "… looking for “42”"),
 ])
 def test_a_lane_cut_short_is_neither_found_nor_missed(reason, status, words):
-    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 9}, "expected": "42"}, status)
     view.apply({"kind": "token", "lane": "q", "step": 0, "token_id": 7, "text": "The", "seconds": 0.1})
     if reason:
@@ -331,7 +332,7 @@ def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
     pieces = [f"w{i} " for i in range(30)]
     pieces[21] = "the code is 4738"
     pieces[22] = "291. "
-    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": pieces, "expected": "4738291"})
     view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 26,
                 "full": [0, 1], "quantized": [4, 5], "promoted": [], "demoted": [], "evicted": [2, 3],
@@ -350,7 +351,7 @@ def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
 
 
 def test_tier_map_codes_and_moves_follow_the_events():
-    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
     view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 18,
                 "full": [0, 2], "quantized": [1], "promoted": [], "demoted": [], "evicted": [3],
@@ -381,7 +382,7 @@ def test_tier_map_codes_and_moves_follow_the_events():
 
 
 def test_a_round_trip_stays_listed_however_many_moves_follow():
-    view = RunView({"lanes": [{"name": "q", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 200}, "prompt_tokens": [str(i % 10) for i in range(60)]})
 
     def route(step, promoted=(), demoted=()):
@@ -412,7 +413,7 @@ def test_diagnostics_of_a_stored_run(studio):
 
 
 def test_a_lane_routed_per_kv_head_shows_the_picked_head():
-    view = RunView({"lanes": [{"name": "h", "method": "qevict_head"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "h", "method": "qevict_head", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
     for head, (full, quantized, promoted) in enumerate([([0], [1], []), ([2], [0], [2])]):
         view.apply({"kind": "routing", "lane": "h", "step": 8, "layer": 0, "head": head, "seen": 30,
@@ -479,18 +480,20 @@ def test_each_lane_is_drawn_with_the_configuration_it_ran_with(studio):
     assert {"qevict", "r1", "qevict_omega16"} <= set(row)
 
 
-def test_a_stored_session_that_names_a_retired_method_replays(studio):
+def test_a_session_exported_before_lane_configs_and_16_bit_caches_replays(studio):
     final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=16)))[-1]
     doc = json.loads(json.dumps(studio.store.export(final.session_id)))
+    doc["format"] = "qevict-session/1"  # as an earlier version exported it:
+    doc["session"]["request"]["config"].pop("kv_dtype")  # no kv_dtype,
     for lane in doc["session"]["request"]["lanes"]:
-        lane.pop("config", None)  # sessions stored before lanes kept their config
+        lane.pop("config")  # no lane configs,
         if lane["method"] == "qevict":
-            lane["method"] = "qevict_cover"
+            lane["method"] = "qevict_cover"  # and a method since removed
     new_id, _ = studio.store.import_session(json.dumps(doc))
     view, _, _ = studio.replay(new_id)
     # the retired name reads as the method it became with the changes it stood for, over the session's form
     assert view.config("qevict")["coverage"] == 0.7 and view.config("qevict")["bits"] == 4
-    assert view.omega("qevict") == SETTINGS["omega"]
+    assert view.config("qevict")["kv_dtype"] == "model" and view.omega("qevict") == SETTINGS["omega"]
     assert plots.tier_map(view, "qevict", 0).data[0].z
     with pytest.raises(ValueError, match="allowed"):
         parse_request("hi", ["qevict_pool"], **SETTINGS, max_new_tokens=4)
@@ -509,7 +512,7 @@ def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(stud
         studio.store.import_session(json.dumps(doc))
     # The largest run the schema admits at Ω = 1 is drawn within the bounds, its axes saying how.
     windows, steps = 20_000, 512
-    view = RunView({"lanes": [{"name": "r", "method": "r1"}], "config": {"sinks": 0, "omega": 1},
+    view = RunView({"lanes": [{"name": "r", "method": "r1", "config": {"sinks": 0, "omega": 1}}], "config": {"sinks": 0, "omega": 1},
                     "sampling": {"max_new_tokens": steps}, "prompt_tokens": ["a"] * (windows - steps)})
     for step in range(steps):
         view.apply({"kind": "routing", "lane": "r", "step": step, "layer": 0, "seen": windows - steps + step + 1,
@@ -549,7 +552,7 @@ def test_the_lane_picker_chooses_whose_routing_is_drawn(studio):
 def test_the_time_left_follows_the_latest_steps_not_the_first():
     from ui.studio import Update
 
-    view = RunView({"lanes": [{"name": "qevict", "method": "qevict"}], "config": {"sinks": 2, "omega": 4},
+    view = RunView({"lanes": [{"name": "qevict", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 200}, "prompt_length": 10})
     # the prompt, a slow first decode step (warm-up), then steady 0.5 s steps
     for step, seconds in enumerate([30.0, 20.0] + [0.5] * 20):
@@ -600,3 +603,16 @@ def test_time_the_lanes_alone_rebuilds_the_runs_lanes_and_times_them_interleaved
     from ui.handlers import Handlers
 
     assert Handlers(studio).time_lanes("no-such-session").startswith("**Cannot time this run:**")
+
+
+def test_the_promotion_example_sets_its_budget_and_a_layer_this_model_has(studio):
+    from ui.examples import PROMOTION
+    from ui.handlers import Handlers
+
+    found = json.loads(PROMOTION.read_text())
+    prompt, expected, new, layer, hint, budget = Handlers(studio).pick_example("A window demoted, then promoted back")
+    assert (expected, new, budget) == (found["value"], found["max_new_tokens"], found["budget"])
+    assert found["budget"] > QEvictConfig().budget  # where the default keeps full windows, so one can come back
+    assert layer == min(found["layer"], studio.num_layers - 1) and f"{found['budget']:.0%} of the bytes" in hint
+    needle = Handlers(studio).pick_example("Needle in ~2K tokens of Austen (retrieval)")
+    assert not isinstance(needle[3], int) and not isinstance(needle[5], float)  # skipped: the form's stay

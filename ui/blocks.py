@@ -188,7 +188,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
         v, rv = t.view, r.view
 
         # -- run
-        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected, t.max_new, v.layer, t.hint],
+        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected, t.max_new, v.layer, t.hint, t.budget],
                          **private).then(ev.save_draft, [t.prompt, t.expected, t.max_new], draft, **private)
         t.prompt.input(ev.prompt_edited, [t.prompt, t.example], [t.expected, t.example, t.hint], **private)
         t.ablations.change(ev.show_ablations, [t.ablations, *t.lanes], t.lanes, **private)

@@ -75,7 +75,9 @@ def lanes_html(view: RunView) -> str:
         pills = "".join(f' <span class="qe-verdict {css}">{_esc(words)}</span>' for css, words in verdict(view, lane))
         stats = [f"{len(lane.tokens)} tokens"]
         if lane.fullkv_bytes:
-            stats.append(f"KV {lane.total_bytes / MiB:.2f} MiB = {lane.ratio:.1%} of FullKV")
+            stored = view.config(lane.name).get("kv_dtype", "model")
+            stored = "the model's dtype" if stored == "model" else stored
+            stats.append(f"KV {lane.total_bytes / MiB:.2f} MiB = {lane.ratio:.1%} of FullKV, both in {stored}")
         if lane.tiers:
             stats.append("per layer: " + ", ".join(f"{lane.tiers[t]} {TIER_WORDS[t]}" for t in TIER_WORDS
                                                    if lane.tiers.get(t)) + " tokens")

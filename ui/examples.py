@@ -1,7 +1,8 @@
 """Prompts that ship with the studio, each with what to look at.
 
 An example is (prompt, expected answer or "" when there is none, new tokens, the layer to show, one line on what to
-look at). Several answers separated by "; " must all appear for a lane to have found them.
+look at, the budget it sets or None to keep the form's). Several answers separated by "; " must all appear for a
+lane to have found them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Example:
     max_new_tokens: int
     layer: int | None  # the layer the tier map should open on (None: the studio's default)
     hint: str
+    budget: float | None = None  # the KV budget it is shown at (None: the form's)
 
 
 def austen(start: int, chars: int) -> str:
@@ -66,9 +68,10 @@ def promotion() -> Example:
     found = json.loads(PROMOTION.read_text())
     prompt = needle_in_austen(start=found["start"], depth=found["depth"], key=found["key"], value=found["value"])
     return Example(prompt, found["value"], found["max_new_tokens"], found["layer"],
-                   f"Layer {found['layer']}: QEvict demotes window {found['window']} (“{found['text']}”) at step "
-                   f"{found['demoted_step']} and promotes it back at step {found['promoted_step']} while it answers "
-                   "(▼ then ▲ in the tier map; the moves list names it).")
+                   f"At {found['budget']:.0%} of the bytes, where QEvict keeps full windows, layer {found['layer']}: "
+                   f"QEvict demotes window {found['window']} (“{found['text']}”) at step {found['demoted_step']} and "
+                   f"promotes it back at step {found['promoted_step']} while it answers (▼ then ▲ in the tier map; "
+                   "the moves list names it).", found["budget"])
 
 
 EXAMPLES = {

@@ -10,7 +10,7 @@ import tempfile
 
 import gradio as gr
 
-from qevict_core.registry import METHODS, RETIRED, resolve
+from qevict_core.registry import METHODS
 from storage.schema import MAX_PROMPT_CHARS, max_import_bytes
 
 from . import cards, plots, sessions
@@ -32,10 +32,8 @@ def lane_choices(ablations: bool) -> list[tuple[str, str]]:
 
 
 def routes(method) -> bool:
-    """Whether a lane of ``method`` has routing to draw (the QEvict family); a retired name counts as what it became."""
-    if not isinstance(method, str) or (method not in METHODS and method not in RETIRED):
-        return False
-    return METHODS[resolve(method)[0]].family == "qevict"
+    """Whether a lane of ``method`` has routing to draw (the QEvict family)."""
+    return isinstance(method, str) and method in METHODS and METHODS[method].family == "qevict"
 
 
 def pick_lane(view: RunView | None, wanted: str | None) -> str | None:
@@ -91,12 +89,14 @@ class Handlers:
 
     # -- run ------------------------------------------------------------------------------------------------------
     def pick_example(self, name):
-        """(prompt, expected answer, new tokens, layer shown, what to look at) of an example."""
+        """(prompt, expected answer, new tokens, layer shown, what to look at, budget) of an example."""
         if not name or name not in EXAMPLES:
-            return (gr.skip(),) * 5
+            return (gr.skip(),) * 6
         example = EXAMPLES[name]()
-        layer = example.layer if example.layer is not None else gr.skip()
-        return example.prompt, example.expected, example.max_new_tokens, layer, f"*{example.hint}*"
+        # the example's layer where this model has it (a smaller model than the one it was found on: the last)
+        layer = min(example.layer, self.layers - 1) if example.layer is not None else gr.skip()
+        budget = example.budget if example.budget is not None else gr.skip()
+        return example.prompt, example.expected, example.max_new_tokens, layer, f"*{example.hint}*", budget
 
     def show_ablations(self, ablations: bool, *values: str):
         """The three lane menus with or without the ablations; a lane set to an ablation keeps it."""

@@ -18,7 +18,7 @@ import torch
 
 from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, make_cache
 from qevict_core.config import BITS, SCORERS
-from qevict_core.registry import METHODS, resolve
+from qevict_core.registry import METHODS
 from storage import SessionStore
 from storage.schema import parse_stored
 
@@ -237,7 +237,7 @@ class Studio:
         FullKV (or to the first lane when there is no FullKV lane)."""
         meta, _ = self.load(session_id)
         request = meta["request"]
-        req = RunRequest(meta["prompt"], tuple(resolve(lane["method"])[0] for lane in request["lanes"]),
+        req = RunRequest(meta["prompt"], tuple(lane["method"] for lane in request["lanes"]),
                          QEvictConfig.from_dict(request["config"]), Sampling(max_new_tokens=new_tokens))
         input_ids, _, spec = self.prepare(req)
         names = [lane["name"] for lane in spec["lanes"]]

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qevict_core import QEvictConfig
-from qevict_core.registry import stored_lane_config
 
 
 @dataclass
@@ -61,15 +59,10 @@ class RunView:
         self.step = -1
 
     def config(self, lane: str | None) -> dict[str, Any]:
-        """The config ``lane`` ran with (the form's when ``lane`` is None). A session stored before lanes kept
-        their own is read as the form's with the method's fields (and a retired method's) applied."""
-        form = self.request["config"]
+        """The config ``lane`` ran with (the form's when ``lane`` is None)."""
         if lane is None:
-            return form
-        spec = next(spec for spec in self.request["lanes"] if spec["name"] == lane)
-        if spec.get("config") is not None:
-            return spec["config"]
-        return stored_lane_config(spec["method"], QEvictConfig.from_dict(form)).to_dict()
+            return self.request["config"]
+        return next(spec for spec in self.request["lanes"] if spec["name"] == lane)["config"]
 
     def sinks(self, lane: str | None) -> int:
         return int(self.config(lane)["sinks"])
