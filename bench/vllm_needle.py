@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qevict_core import QEvictConfig, load_model, make_cache
+from qevict_vllm.settings import config_from
 from qevict_core.generation.model_call import call
 from ui.examples import EXAMPLES
 
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": example.prompt}], add_generation_prompt=True,
                                   return_dict=True)["input_ids"]
     settings = {"budget": args.budget, "omega": 32}
-    engine = engine_side(model, ids, QEvictConfig(**settings), example.max_new_tokens, tok.eos_token_id)
+    engine = engine_side(model, ids, config_from(settings, 32), example.max_new_tokens, tok.eos_token_id)
     served = vllm_side(model.config._name_or_path, ids, settings, example.max_new_tokens)
     agree = next((i for i, (a, b) in enumerate(zip(engine["tokens"], served["tokens"])) if a != b),
                  min(len(engine["tokens"]), len(served["tokens"])))

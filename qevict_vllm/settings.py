@@ -53,8 +53,9 @@ def kv_transfer_config(block_size: int = BLOCK_SIZE, **settings) -> dict:
 
 
 def config_from(settings: dict, block_size: int | None) -> QEvictConfig:
-    """``settings`` as a QEvictConfig whose windows are one KV block (Ω = ``block_size``, the default); an unknown
-    field, a field only unsupported modes read or a bad value raises ValueError naming what is allowed."""
+    """``settings`` as a QEvictConfig whose windows are one KV block (Ω = ``block_size``, the default) and whose
+    keys and values are stored in vLLM's KV dtype (``kv_dtype="model"`` unless given); an unknown field, a field
+    only unsupported modes read or a bad value raises ValueError naming what is allowed."""
     fields = {f.name for f in dataclasses.fields(QEvictConfig)}
     unread = {name for group in IGNORED_GROUPS for name in QEvictConfig.knobs(group)} | {"budget_bytes"}
     allowed = fields - unread
@@ -71,7 +72,9 @@ def config_from(settings: dict, block_size: int | None) -> QEvictConfig:
         raise ValueError(f"omega must equal vLLM's KV block size ({block_size}): a window is one block (got "
                          f"omega={omega!r}). Leave omega out, or give options(block_size=...) a multiple of "
                          f"{CPU_BLOCK} and omega the same")
-    values = dict(settings)
+    # Keys and values in vLLM's own KV dtype (the model's, with cache_dtype "auto": bfloat16 as a GPU serves it), so
+    # a request's budget is a share of the bytes vLLM itself would hold for it; kv_dtype= overrides.
+    values = {"kv_dtype": "model", **settings}
     if omega is not None:
         values["omega"] = omega
     return QEvictConfig(**values)

@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds .venv-vllm and runs these")
 
 from bench.vllm_needle import engine_side  # noqa: E402
-from qevict_core import QEvictConfig, load_model  # noqa: E402
+from qevict_core import load_model  # noqa: E402
+from qevict_vllm.settings import config_from  # noqa: E402
 from ui.examples import austen, needle_in_austen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_concurrent_requests_are_each_routed_as_the_transformers_engine_routes_t
                for i, (key, value, chars) in enumerate(needles)]
     served = serve(prompts, 24, {"budget": 0.2})
     for i, ((key, value, _), ids) in enumerate(zip(needles, prompts)):
-        alone = engine_side(model, ids, QEvictConfig(budget=0.2, omega=32), 24, None)
+        alone = engine_side(model, ids, config_from({"budget": 0.2}, 32), 24, None)  # the plugin's config
         same = sum(a == tuple(map(list, b)) or a == b for a, b in zip(alone["tiers"], served["tiers"][i]))
         assert same == len(alone["tiers"]), f"request {i}: {same} of {len(alone['tiers'])} layers route alike"
         assert served["moves"][i] == alone["moves"], i
