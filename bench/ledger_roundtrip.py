@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from qevict_core import load_model
-from qevict_core.engine.layout import window_positions
+from qevict_core.engine.layout import WindowGrid
 from qevict_core.engine.ledger import WindowLedger
 from qevict_core.engine.quant import unpack
 from qevict_core.engine.rope import Rope
@@ -34,7 +34,7 @@ def records(model, vocab: int, dtype: torch.dtype, bits: int):
         call(model, ids, cache)
     windows = (TOKENS - SINKS) // OMEGA
     window_ids = torch.arange(windows, dtype=torch.int32)[None]
-    positions = window_positions(window_ids, SINKS, OMEGA)
+    positions = WindowGrid(SINKS, OMEGA).positions(window_ids)
     for layer in cache.layers:
         keys = layer.keys[:, :, SINKS:SINKS + windows * OMEGA]  # (B, H, T, D), post-RoPE
         values = layer.values[:, :, SINKS:SINKS + windows * OMEGA]

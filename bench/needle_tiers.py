@@ -39,7 +39,7 @@ def tiers(model, tokenizer, ids, config: QEvictConfig, span: tuple[int, int], ma
     for event in generate_lanes(model, tokenizer, ids, [lane], Sampling(max_new_tokens=12)):
         if event.kind == "routing":
             first.setdefault(event.layer, event)
-    windows = sorted({(p - config.sinks) // config.omega for p in range(*span)})
+    windows = sorted({cache.grid.window_of(p) for p in range(*span)})
     counts = Counter("full" if w in e.full else "low-bit" if w in e.quantized else "evicted"
                      for e in first.values() for w in windows)
     return windows, counts, lane.text

@@ -64,8 +64,8 @@ def main(argv=None) -> None:
             print(f"start {start} depth {depth}: found {found}, demoted then promoted {move}", flush=True)
             if found["fullkv"] and found["qevict"] and move:
                 layer, window, down, up = move
-                first = view.sinks("qevict") + window * view.omega("qevict")
-                text = view.token_text("qevict", first, first + view.omega("qevict")).strip()
+                grid = view.grid("qevict")
+                text = view.token_text("qevict", grid.start(window), grid.start(window + 1)).strip()
                 Path(args.out).write_text(json.dumps(
                     {"start": start, "depth": depth, "key": KEY, "value": VALUE, "max_new_tokens": NEW_TOKENS,
                      "budget": args.budget,

@@ -28,6 +28,8 @@ from statistics import median
 
 import torch
 
+from .engine.layout import WindowGrid
+
 
 @dataclass
 class LayerTrace:
@@ -90,20 +92,21 @@ def reference_scores(trace: LayerTrace, prompt_len: int, seen: int, sinks: int, 
         mass += trace.heads[:, :decoded].sum(1).mean(0)
     per_token = mass[sinks:seen]
     windows = torch.zeros(num_windows)
-    ids = torch.arange(per_token.shape[0]) // omega
+    ids = WindowGrid(sinks, omega).window_of(torch.arange(sinks, sinks + per_token.shape[0]))  # window of each token
     windows.scatter_add_(0, ids[ids < num_windows], per_token[:ids.shape[0]][ids < num_windows])
     return windows
 
 
 def _historical(event: dict, sinks: int, omega: int) -> int:
     """Number of windows that have left the recent region at this event."""
-    return (event["recent_start"] - sinks) // omega
+    return WindowGrid(sinks, omega).window_of(event["recent_start"])
 
 
 def accessible_positions(event: dict, sinks: int, omega: int, include_quantized: bool = True) -> set[int]:
     kept = set(event["full"]) | (set(event["quantized"]) if include_quantized else set())
     positions = set(range(min(sinks, event["seen"])))
-    positions |= {sinks + w * omega + i for w in kept for i in range(omega)}
+    grid = WindowGrid(sinks, omega)
+    positions |= {grid.start(w) + i for w in kept for i in range(omega)}
     positions |= set(range(event["recent_start"], event["seen"]))
     return positions
 
@@ -164,7 +167,7 @@ def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int
         if not valid.any():
             continue
         offset = torch.arange(sinks, seen)
-        window_of = (offset - sinks) // omega
+        window_of = WindowGrid(sinks, omega).window_of(offset)
         full = torch.isin(window_of, torch.tensor(event["full"], dtype=torch.long))
         quant = torch.isin(window_of, torch.tensor(event["quantized"], dtype=torch.long)) & ~full
         local = offset >= event["recent_start"]

@@ -91,7 +91,7 @@ def test_the_inner_checker_resolves_relative_imports(tmp_path):
 
 def test_the_checker_sees_a_lazy_upward_import(tmp_path):
     module = tmp_path / "leaf.py"
-    module.write_text("def f():\n    from qevict_core.engine.layout import window_positions\n    return window_positions\n")
+    module.write_text("def f():\n    from qevict_core.engine.layout import WindowGrid\n    return WindowGrid\n")
     assert ("qevict_core", 2) in imported_packages(module)
 
 

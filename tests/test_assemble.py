@@ -7,7 +7,7 @@ import torch
 import qevict_core.engine.qevict_layer as cache_module
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 from qevict_core.engine.assemble import assemble, assemble_reference
-from qevict_core.engine.layout import window_positions
+from qevict_core.engine.layout import WindowGrid
 from tests.conftest import KV, random_prompt, tiny_model
 from tests.test_equivalence import _Tok
 
@@ -16,7 +16,7 @@ def reference_assemble(config):
     """``assemble`` with the old arithmetic: shifts to unpack, the rotary module per position, a cat."""
     def run(ledger, fp_keys, fp_values, cos, sin, dtype=None):
         rope = run.rope
-        positions = window_positions(ledger.ids, config.sinks, config.omega)
+        positions = WindowGrid(config.sinks, config.omega).positions(ledger.ids)
         return assemble_reference(ledger, fp_keys, fp_values, rope, positions, dtype)
     return run
 
@@ -38,7 +38,7 @@ def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bit
         for _ in range(40):
             logits = model(logits[:, -1:].argmax(-1), **{KV: cache}).logits
             for layer in cache.layers:
-                positions = window_positions(layer.quant.ids, config.sinks, config.omega)
+                positions = cache.grid.positions(layer.quant.ids)
                 cache.begin_forward(0)  # a fresh table, as a forward would build it
                 cos, sin = cache.rope_rows(layer.sink_k, positions)
                 fast = assemble(layer.quant, *layer_parts(layer), cos, sin, dtype=dtype)

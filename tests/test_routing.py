@@ -10,7 +10,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.attention import make_wrapper
 
 qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
-from qevict_core.engine.layout import window_positions
+from qevict_core.engine.layout import WindowGrid
 from tests.conftest import KV, random_prompt, tiny_model
 
 D, OMEGA, SINKS, RECENT = 16, 8, 4, 8
@@ -121,7 +121,7 @@ def test_promote_demote_cycles_keep_the_record_bit_identical():
         assert target in layer.full_ids[0].tolist()
         slot = layer.full_ids[0].tolist().index(target)
         full_k = layer.full_k[:, :, slot * OMEGA:(slot + 1) * OMEGA]
-        rotated = d.cache.rope.rotate(k0, window_positions(torch.tensor([[target]]), SINKS, OMEGA))
+        rotated = d.cache.rope.rotate(k0, WindowGrid(SINKS, OMEGA).positions(torch.tensor([[target]])))
         assert torch.equal(full_k, rotated.to(full_k.dtype))  # promotion restores the dequantized record, stored
         route_with_score(middle)
         again, (k1, v1) = _record(layer, target)

@@ -61,7 +61,7 @@ class Replay:
         if layer.owner.backend.reads_tier_in_place:  # the step read the quantized tier in place: replay against it too
             keys, _ = layer._with_quantized([keys], [keys])
         mass = key_attention_mass(query, query_pos, keys, key_pos, scaling)
-        u = window_mass(mass, key_pos, *layer._grid, self.cache.plan.num_windows)
+        u = window_mass(mass, key_pos, layer.grid.sinks, layer.grid.omega, self.cache.plan.num_windows)
         before = self.after_event[layer.layer_idx]
         if self.scorer == "cumulative":
             return before + u

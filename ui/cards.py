@@ -111,7 +111,8 @@ def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> s
     event = events[-1] if events else None
     if event is not None:
         event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
-    sinks, omega = view.sinks(lane), view.omega(lane)
+    grid = view.grid(lane)
+    sinks = grid.sinks
     spans, current, run = [], None, []
     for position in range(start, stop):
         if position < sinks:
@@ -119,7 +120,7 @@ def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> s
         elif event is None:
             tier = "recent"
         else:
-            tier = window_tier(event, (position - sinks) // omega, sinks, omega) or "recent"
+            tier = window_tier(event, grid.window_of(position), grid) or "recent"
         if tier != current and run:
             spans.append(_span(current, run))
             run = []
@@ -157,13 +158,13 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
     """The round trips and the latest promotions and demotions of ``layer`` (and ``head``) in words, with the text
     of each window."""
     events = view.layer_events(lane, layer, head) if lane else []
-    sinks, omega = view.sinks(lane), view.omega(lane)
+    grid = view.grid(lane)
 
     def window_words(window: int) -> str:
-        first = sinks + window * omega
-        text = SPECIAL.sub(" ", view.token_text(lane, first, first + omega))  # the chat template's markup
+        first, last = grid.start(window), grid.start(window + 1) - 1
+        text = SPECIAL.sub(" ", view.token_text(lane, first, last + 1))  # the chat template's markup
         snippet = " ".join(text.split())[:60]
-        return f"window {window} (tokens {first}–{first + omega - 1}, “{_esc(snippet)}”)"
+        return f"window {window} (tokens {first}–{last}, “{_esc(snippet)}”)"
 
     trips = "".join(f"<li>{window_words(w)} demoted at step {down}, promoted back at step {up}</li>"
                     for w, down, up in round_trips(events)[:limit])

@@ -54,8 +54,8 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     events = view.layer_events(lane, layer, head) if lane else []
     if not events:
         return empty_figure("The tier map appears at the first routing event of a QEvict lane.")
-    sinks, omega = view.sinks(lane), view.omega(lane)
-    n_windows = max(1, (events[-1]["seen"] - 1 - sinks) // omega + 1)
+    grid = view.grid(lane)
+    n_windows = max(1, grid.window_of(events[-1]["seen"] - 1) + 1)
     shown = _spaced(len(events), MAX_EVENTS_DRAWN)  # indices of the events drawn, the last one included
     every = max(1, -(-n_windows * len(shown) // MAX_CELLS))  # draw every k-th window
     rows = range(0, n_windows, every)
@@ -65,7 +65,7 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
         event = events[index]
         compact = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
         for row, w in enumerate(rows):
-            z[row][col] = TIER_CODES[window_tier(compact, w, sinks, omega)]
+            z[row][col] = TIER_CODES[window_tier(compact, w, grid)]
         for w in event["promoted"]:
             promoted[0].append(col), promoted[1].append(w)
         for w in event["demoted"]:
@@ -98,8 +98,8 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event")
     fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},
-                      yaxis={"title": f"window ({omega} tokens)" if every == 1 else
-                             f"every {every}th window ({omega} tokens each)"})
+                      yaxis={"title": f"window ({grid.omega} tokens)" if every == 1 else
+                             f"every {every}th window ({grid.omega} tokens each)"})
     return fig
 
 

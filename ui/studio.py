@@ -320,9 +320,9 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
             problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
                             f"({vocab} ids): the run was made with another model.")
         else:
-            omega, sinks = view.omega(name), view.sinks(name)
-            jobs.append(LaneDiagnosis(name, tuple(prompt[0].tolist() + lane.tokens[:-1]), view.routing[name], sinks,
-                                      omega, math.ceil((max_length - sinks) / omega),
+            grid = view.grid(name)
+            jobs.append(LaneDiagnosis(name, tuple(prompt[0].tolist() + lane.tokens[:-1]), view.routing[name],
+                                      grid.sinks, grid.omega, grid.count(max_length),
                                       int(lane.summary.get("k_full", 1))))
     results = studio.diagnosed(tuple(jobs), prompt.shape[1]) if jobs else {}
     columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]

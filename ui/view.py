@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qevict_core.engine.layout import WindowGrid
+
 
 
 @dataclass
@@ -69,6 +71,10 @@ class RunView:
 
     def omega(self, lane: str | None) -> int:
         return int(self.config(lane)["omega"])
+
+    def grid(self, lane: str | None) -> WindowGrid:
+        """Where ``lane``'s windows lie (its own sinks and Ω)."""
+        return WindowGrid(self.sinks(lane), self.omega(lane))
 
     @property
     def max_new_tokens(self) -> int:
@@ -151,7 +157,7 @@ class RunView:
         for piece in pieces:
             text += piece
             ends.append(len(text))
-        sinks, omega = self.sinks(lane), self.omega(lane)
+        grid = self.grid(lane)
         found = {}
         for part in parts:
             at = text.lower().find(part.lower())
@@ -159,7 +165,7 @@ class RunView:
                 continue
             first = next(i for i, end in enumerate(ends) if end > at)
             last = next(i for i, end in enumerate(ends) if end >= at + len(part))
-            found[part] = sorted({(p - sinks) // omega for p in range(first, last + 1) if p >= sinks})
+            found[part] = sorted({grid.window_of(p) for p in range(first, last + 1) if p >= grid.sinks})
         return found
 
     def token_text(self, lane: str, start: int, stop: int) -> str:
@@ -170,9 +176,9 @@ class RunView:
                        for i in range(start, stop) if i < len(prompt) + len(own))
 
 
-def window_tier(event: dict, window: int, sinks: int, omega: int) -> str | None:
+def window_tier(event: dict, window: int, grid: WindowGrid) -> str | None:
     """Tier of ``window`` after ``event`` (None: not created yet)."""
-    start = sinks + window * omega
+    start = grid.start(window)
     if start >= event["seen"]:
         return None
     if start >= event["recent_start"]:

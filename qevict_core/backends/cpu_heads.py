@@ -55,6 +55,6 @@ def attend(layer, query: torch.Tensor, scaling: float):
     if owner.scorer.needs_attention:  # every head's window mass into its row of the stacked table, in C
         cpu_decode.fold_varlen(probs, owner.scorer.mass_table(layer.scores, layer.interval),
                                [head.quant.ids for head in heads], [head.full_ids for head in heads], n_quant, sinks,
-                               (heads[0].recent_start - owner.config.sinks) // omega, heads[0].recent_k.shape[2],
+                               owner.grid.window_of(heads[0].recent_start), heads[0].recent_k.shape[2],
                                omega)
     return out.reshape(1, 1, h * g, d).to(query.dtype), keys, values

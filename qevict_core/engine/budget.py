@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import QEvictConfig
+from .layout import WindowGrid
 from .ledger import WindowLedger
 
 ID_BYTES = torch.empty(0, dtype=torch.int32).element_size()
@@ -106,7 +107,7 @@ def plan_tiers(shape: KVShape, cfg: QEvictConfig, max_length: int, interval_tabl
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1 (got {max_length})")
     budget = budget_bytes_of(shape, cfg, max_length)
-    num_windows = math.ceil(max(max_length - cfg.sinks, 0) / cfg.omega)
+    num_windows = WindowGrid(cfg.sinks, cfg.omega).count(max_length)
     if budget >= shape.fullkv_bytes(max_length):
         return TierPlan(max_length, budget, num_windows, num_windows, 0, False, 0, 0, 0, uncompressed=True)
     # The recent region holds up to recent + Ω - 1 tokens after routing, plus Ω arriving before the next event.

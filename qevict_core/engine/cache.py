@@ -8,6 +8,7 @@ import torch
 
 from .. import backends
 from .budget import KVShape, plan_tiers
+from .layout import WindowGrid
 from .cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
 from .qevict_layer import QEvictLayer
@@ -47,6 +48,7 @@ class QEvictCache(ReportingCache):
         self.plan = plan_tiers(self.plan_shape(shape), config, max_length, interval_table=self.scorer.keeps_interval)
         self.rope = Rope.from_model(model)
         self.schedule = RoutingSchedule(config.omega)
+        self.grid = WindowGrid(config.sinks, config.omega)  # where every layer's windows lie
         self._moves: torch.Tensor | None = None
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]

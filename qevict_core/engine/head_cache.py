@@ -173,7 +173,7 @@ class HeadwiseLayer(ReportingLayer):
             for head in self.heads:
                 aged = head.candidates()[:, head.quant.num_windows + head.full_ids.shape[1]:]
                 if aged.shape[1]:
-                    scorer.on_aged(head.scores, aged, head.recent_k[:, :, :aged.shape[1] * self.owner.config.omega])
+                    scorer.on_aged(head.scores, aged, head.recent_k[:, :, :aged.shape[1] * self.owner.grid.omega])
         return self.owner.blend(self.scores)
 
     def _attend_per_head(self, module, query, scaling, dropout, output=True):

@@ -22,7 +22,6 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .assemble import assemble
-from .layout import window_positions
 from .ledger import WindowLedger
 from .rope import unrotate
 from .routing import decide
@@ -35,7 +34,8 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     with -inf; ranked (H, C): ``allot``'s stable descending sort of the ranks eligible for the full tier, which set
     every head's ``allotted`` (K_f, K_q)."""
     heads, owner = layer.heads, layer.owner
-    sinks, omega, promotion = owner.config.sinks, owner.config.omega, owner.config.promotion
+    grid, promotion = owner.grid, owner.config.promotion
+    sinks, omega = grid.sinks, grid.omega
     h, width, d = keys.shape
     c = rank.shape[1]
     n_quant = [head.quant.num_windows for head in heads]
@@ -80,7 +80,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     if n_fresh:
         tok = _tokens(q_start[need], omega)
         fresh_ids = q_ids[need].unsqueeze(0)
-        positions = window_positions(fresh_ids, sinks, omega)
+        positions = grid.positions(fresh_ids)
         pre_rope = unrotate(ws_keys.index_select(2, tok), *owner.cos_sin(ws_keys, positions))
         parts.append(WindowLedger.quantize(pre_rope, ws_values.index_select(2, tok), fresh_ids, omega,
                                            owner.config.bits, owner.config.param_dtype(owner.shape.dtype)))
@@ -94,7 +94,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     source_k, source_v = ws_keys, ws_values
     if n_promoted:
         windows = joined.select(f_rec[promoted].unsqueeze(0))
-        cos, sin = owner.rope_rows(ws_keys, window_positions(windows.ids, sinks, omega))
+        cos, sin = owner.rope_rows(ws_keys, grid.positions(windows.ids))
         source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, sin, dtype=owner.compute_dtype)
         owner.note_workspace(source_k.nbytes + source_v.nbytes)
         f_start = torch.where(promoted, (promoted.cumsum(0) - 1) * omega, f_start + n_promoted * omega)

@@ -1,10 +1,11 @@
 """Index helpers for the one tensor layout used everywhere: (batch, kv_heads, seq, head_dim).
 
-Windows are contiguous runs of Ω tokens. Window ``w`` of a layer covers absolute positions
-``[sinks + w * Ω, sinks + (w + 1) * Ω)``; positions are never renumbered.
+Windows are contiguous runs of Ω tokens after the sinks (``WindowGrid``); positions are never renumbered.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,32 @@ def gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width))
 
 
-def window_positions(window_ids: torch.Tensor, sinks: int, omega: int) -> torch.Tensor:
-    """(B, n) window ids -> (B, n * Ω) absolute token positions."""
-    return window_token_index(window_ids.long(), omega) + sinks
+@dataclass(frozen=True)
+class WindowGrid:
+    """Where the windows lie: the one home of that arithmetic (the layers, routing, the prompt stage, the backends,
+    the diagnostics and the studio's drawings all ask here). Window ``w`` covers the absolute positions
+    ``[sinks + w·Ω, sinks + (w + 1)·Ω)``; the first ``sinks`` positions belong to no window."""
+
+    sinks: int
+    omega: int
+
+    def positions(self, window_ids: torch.Tensor) -> torch.Tensor:
+        """(B, n) window ids -> (B, n * Ω) absolute token positions, window-major."""
+        return window_token_index(window_ids.long(), self.omega) + self.sinks
+
+    def window_of(self, position: int) -> int:
+        """The window holding ``position`` (negative for a sink position)."""
+        return (position - self.sinks) // self.omega
+
+    def start(self, window: int) -> int:
+        """The first position of ``window``."""
+        return self.sinks + window * self.omega
+
+    def count(self, length: int) -> int:
+        """Windows that ``length`` tokens reach into (the last may be partial)."""
+        return -(-max(length - self.sinks, 0) // self.omega)
+
+    def whole(self, length: int) -> int:
+        """Complete windows in the first ``length`` tokens."""
+        return max(length - self.sinks, 0) // self.omega
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .assemble import assemble
-from .layout import window_positions
+from .layout import WindowGrid
 from .ledger import WindowLedger
 from .rope import unrotate
 
@@ -39,9 +39,10 @@ class PromptStage:
 
     def __init__(self, like: torch.Tensor, sinks: int, capacity: int):
         b, h, _, d = like.shape
-        self.sinks, self.capacity, self.count = sinks, capacity, 0
+        self.grid = WindowGrid(sinks, BLOCK)  # blocks of statistics, laid out as windows are
+        self.capacity, self.count = capacity, 0
         self.store = WindowLedger.empty(b, h, d, BLOCK, BITS, like.dtype, like.device,
-                                        num_windows=max(0, capacity - sinks) // BLOCK, zeroed=False)
+                                        num_windows=self.grid.whole(capacity), zeroed=False)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +66,7 @@ class PromptStage:
         ids = torch.arange(self.count, self.count + n, device=layer.recent_k.device).expand(
             layer.recent_k.shape[0], -1)
         tokens = n * BLOCK
-        cos, sin = layer.owner.cos_sin(layer.recent_k, window_positions(ids, self.sinks, BLOCK))
+        cos, sin = layer.owner.cos_sin(layer.recent_k, self.grid.positions(ids))
         # codes against the pairs as stored (the keys come out of un-rotation in attention's dtype)
         fresh = WindowLedger.quantize(unrotate(layer.recent_k[:, :, :tokens], cos, sin),
                                       layer.recent_v[:, :, :tokens], ids, BLOCK, BITS, self.store.k_scale.dtype)
@@ -90,7 +91,7 @@ class PromptStage:
     def positions(self, layer) -> torch.Tensor:
         """(B, N) absolute positions of the keys of :meth:`keys_values`, in its order."""
         b, device = layer.recent_k.shape[0], layer.recent_k.device
-        return torch.cat([window_positions(self.blocks.ids, self.sinks, BLOCK),
+        return torch.cat([self.grid.positions(self.blocks.ids),
                           torch.arange(layer.sink_k.shape[2], device=device).expand(b, -1),
                           torch.arange(layer.recent_start, layer.recent_start + layer.recent_k.shape[2],
                                        device=device).expand(b, -1)], dim=1)
@@ -121,7 +122,7 @@ class PromptStage:
         ``assemble``, the PyTorch decode path's rebuild."""
         if self.count:
             blocks = self.blocks
-            cos, sin = layer.owner.rope_rows(keys[0], window_positions(blocks.ids, self.sinks, BLOCK))
+            cos, sin = layer.owner.rope_rows(keys[0], self.grid.positions(blocks.ids))
             return assemble(blocks, keys, values, cos, sin, capacity=self.capacity, dtype=dtype)
         total = sum(k.shape[2] for k in keys)
         b, h, _, d = keys[0].shape

@@ -23,7 +23,7 @@ import torch
 from .assemble import assemble
 from .cache_base import ReportingLayer
 from ..events import RoutingEvent
-from .layout import gather_seq, window_positions
+from .layout import WindowGrid, gather_seq
 from .ledger import WindowLedger
 from .rope import unrotate
 from .routing import route_windows
@@ -59,7 +59,7 @@ class QEvictLayer(ReportingLayer):
         self.store(key_states, value_states)
         if self.owner.staging and not self.owner.plan.uncompressed:
             if self.stage is None:
-                self.stage = PromptStage(key_states, self._grid[0], self.owner.max_length)
+                self.stage = PromptStage(key_states, self.grid.sinks, self.owner.max_length)
             keys, values = self.stage.keys_values(self)
             self.owner.note_workspace(keys.nbytes + values.nbytes)
             return keys, values
@@ -88,14 +88,14 @@ class QEvictLayer(ReportingLayer):
         """[dequantized, re-rotated ``windows`` (the whole quantized tier by default) | *keys]: a transient copy,
         counted as workspace."""
         windows = self.quant if windows is None else windows
-        cos, sin = self.owner.rope_rows(self.sink_k, window_positions(windows.ids, *self._grid))
+        cos, sin = self.owner.rope_rows(self.sink_k, self.grid.positions(windows.ids))
         keys, values = assemble(windows, keys, values, cos, sin, dtype=self.owner.compute_dtype)
         self.owner.note_workspace(keys.nbytes + values.nbytes)
         return keys, values
 
     @property
-    def _grid(self) -> tuple[int, int]:
-        return self.owner.config.sinks, self.owner.config.omega
+    def grid(self) -> WindowGrid:
+        return self.owner.grid
 
     def attend(self, module, query, key, value, scaling, dropout, output=True):
         out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
@@ -151,7 +151,7 @@ class QEvictLayer(ReportingLayer):
         if scorer.reads_aged_keys:
             aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
             if aged.shape[1]:
-                scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self._grid[1]])
+                scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self.grid.omega])
 
     def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rank the settled candidates and move windows between tiers."""
@@ -161,9 +161,10 @@ class QEvictLayer(ReportingLayer):
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
         """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
         the score table; Eq. 1 averages over the ``q_heads`` query heads."""
-        n_quant = self.quant.num_windows * self._grid[1]
+        omega = self.grid.omega
+        n_quant = self.quant.num_windows * omega
         per_key = kv_mass.sum(dim=1)  # (B, N)
-        quant = per_key[:, :n_quant].reshape(per_key.shape[0], -1, self._grid[1]).sum(dim=2)  # (B, nQ)
+        quant = per_key[:, :n_quant].reshape(per_key.shape[0], -1, omega).sum(dim=2)  # (B, nQ)
         self.fold_windows(quant, per_key[:, n_quant:], q_heads)
 
     def fold_windows(self, quant: torch.Tensor, fp_keys: torch.Tensor, q_heads: int) -> None:
@@ -174,7 +175,7 @@ class QEvictLayer(ReportingLayer):
         Every tier after the sinks holds whole windows in that order (the recent region's last one may be partial),
         so a window's mass is a sum over Ω consecutive keys, credited to the tiers' window ids: no per-key positions
         (building and binning them cost more than the sums on a 4K decode step)."""
-        omega, sinks = self._grid[1], self.sink_k.shape[2]
+        omega, sinks = self.grid.omega, self.sink_k.shape[2]
         b = fp_keys.shape[0]
         # the recent region's last window may be partial: zeros complete it (always padded, by 0 too, so that every
         # step runs the same operators)
@@ -186,22 +187,21 @@ class QEvictLayer(ReportingLayer):
     def _fold_ids(self, num: int) -> torch.Tensor:
         """(B, num) window ids of [quantized | full | recent], rebuilt each step: kept between steps they would be
         bytes outside the budget."""
-        sinks, omega = self._grid
-        first_recent = (self.recent_start - sinks) // omega
+        first_recent = self.grid.window_of(self.recent_start)
         n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
         recent = torch.arange(first_recent, first_recent + n_recent, device=self.full_ids.device, dtype=torch.int32)
         return torch.cat([self.quant.ids, self.full_ids, recent.expand(self.full_ids.shape[0], -1)], dim=1).long()
 
     def attended_positions(self) -> torch.Tensor:
         """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
-        parts = [window_positions(self.quant.ids, *self._grid)] if self.quant.num_windows else []
+        parts = [self.grid.positions(self.quant.ids)] if self.quant.num_windows else []
         return torch.cat(parts + [self.fp_positions()], dim=1)
 
     def fp_positions(self) -> torch.Tensor:
         """(B, N) absolute positions of the full-precision keys [sinks | full | recent]."""
         b, device = self.full_ids.shape[0], self.full_ids.device
         parts = [torch.arange(self.sink_k.shape[2], device=device).expand(b, -1)]
-        parts.append(window_positions(self.full_ids, *self._grid))
+        parts.append(self.grid.positions(self.full_ids))
         n_recent = self.recent_k.shape[2]
         parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
         return torch.cat(parts, dim=1)
@@ -209,7 +209,7 @@ class QEvictLayer(ReportingLayer):
     def _route(self, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
         """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
         when the step read it in place (then only the windows that some row promotes get dequantized)."""
-        owner, (sinks, omega) = self.owner, self._grid
+        owner, grid, omega = self.owner, self.grid, self.grid.omega
         n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
         cand_ids = self.candidates()
         aged_ids = cand_ids[:, n_quant + n_full:]
@@ -252,7 +252,7 @@ class QEvictLayer(ReportingLayer):
             slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :m]
             chosen = decision.quant.gather(1, slots)
             tok = _token_index(starts, chosen, omega)
-            positions = window_positions(cand_ids.gather(1, chosen), sinks, omega)
+            positions = grid.positions(cand_ids.gather(1, chosen))
             pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
             records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
                                                  omega, owner.config.bits, owner.config.param_dtype(stored)))
@@ -278,9 +278,8 @@ class QEvictLayer(ReportingLayer):
 
     def candidates(self) -> torch.Tensor:
         """(B, C) window ids that the next routing event will rank: [quantized | full | aging out of recent]."""
-        sinks, omega = self._grid
-        first_recent = (self.recent_start - sinks) // omega
-        num_aged = max(0, (self.seen - self.owner.config.recent - sinks) // omega - first_recent)
+        first_recent = self.grid.window_of(self.recent_start)
+        num_aged = max(0, self.grid.window_of(self.seen - self.owner.config.recent) - first_recent)
         aged = torch.arange(first_recent, first_recent + num_aged, device=self.full_ids.device, dtype=torch.int32)
         return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
 
@@ -292,8 +291,7 @@ class QEvictLayer(ReportingLayer):
         full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
         live = set(full) | set(quant)
         evicted = sorted((old_full | old_quant | set(aged)) - live)
-        sinks, omega = self._grid
-        recent = range((self.recent_start - sinks) // omega, (self.seen - 1 - sinks) // omega + 1)
+        recent = range(self.grid.window_of(self.recent_start), self.grid.window_of(self.seen - 1) + 1)
         shown = sorted(live | set(evicted) | set(recent))
         ranking = self.owner.scorer.ranking(self.scores[0])
         values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
@@ -326,8 +324,7 @@ class QEvictLayer(ReportingLayer):
     def tier_counts(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"sink": 0, "recent": 0, "full": 0, "quantized": 0, "evicted": 0}
-        sinks, omega = self._grid
-        left_recent = (self.recent_start - sinks) // omega
+        omega, left_recent = self.grid.omega, self.grid.window_of(self.recent_start)
         n_full, n_quant = self.full_ids.shape[1], self.quant.num_windows
         staged = self.stage.num_tokens if self.stage is not None else 0  # the prompt not yet routed: recent
         return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2] + staged, "full": n_full * omega,
