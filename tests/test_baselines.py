@@ -22,7 +22,7 @@ def teacher_forced(model, cache, prompt, continuation):
             yield cache.memory_report()
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("method", BUDGETED)
 def test_bytes_stay_within_budget_for_200_steps(method, kv_heads):
     model = tiny_model("llama", kv_heads)

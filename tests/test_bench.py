@@ -180,6 +180,7 @@ def test_t_interval_follows_its_definition():
     assert interval([0.5]) == "0.500" and interval([]) == "—"
 
 
+@pytest.mark.slow  # renders every committed folder
 def test_report_renders_every_fidelity_folder(tmp_path):
     from bench import report
 
@@ -245,6 +246,7 @@ def test_diagnostics_smoke(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses: ~20 s
 def test_speed_smoke(tmp_path):
     speed.main(["--model", "tiny", "--methods", "fullkv,qevict,qevict@torch,qevict/128", "--contexts", "512",
                 "--new-tokens", "12", "--repeats", "1", "--out", str(tmp_path)])
@@ -290,6 +292,7 @@ def test_peak_rss_sees_a_buffer_freed_before_the_end():
     assert 60 * 2**20 <= rss.peak <= 120 * 2**20
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0")  # recorded, so the value the run sets is undone afterwards
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
@@ -300,6 +303,7 @@ def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
     assert "MALLOC_MMAP_THRESHOLD_=131072 in every run" in next(tmp_path.glob("*.md")).read_text()
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_kernel_microbenchmark_smoke(tmp_path):
     from bench import kernels
 

@@ -33,13 +33,26 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--prompt", "   "], "the prompt is empty"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: No such file or directory"),
 ])
-def test_a_bad_argument_is_one_line_before_the_model_loads(args, message):
-    done = cli("generate", *args, *NO_MODEL)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and done.stderr.startswith("qevict: error: ")
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+def test_a_bad_argument_is_one_line_before_the_model_loads(args, message, capsys):
+    from qevict_core.cli import main
+
+    try:  # in this process (argparse exits, the rest returns the code): the subprocess tests check a real exit
+        code = main(["generate", *args, *NO_MODEL])
+    except SystemExit as exit_:
+        code = exit_.code
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert message in stderr and stderr.startswith("qevict: error: ")
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
 
 
+def test_a_refusal_exits_2_with_one_line_from_a_real_process():
+    done = cli("generate", "--prompt", "Hi", "--budget", "2", *NO_MODEL)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("qevict: error: --budget must be") and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # starts loading a model
 def test_a_model_that_cannot_load_is_one_line():
     done = cli("generate", "--prompt", "Hi", *NO_MODEL)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

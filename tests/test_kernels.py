@@ -172,6 +172,7 @@ def test_kernel_path_needs_the_interpreter_on_cpu(monkeypatch):
     assert auto in ("cpu", "torch")  # on CPU, auto never picks the interpreter
 
 
+@pytest.mark.slow  # the Triton interpreter over whole generations: ~45 s
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 def test_forced_kernels_generate_the_torch_paths_tokens(kv_heads):
     model = tiny_model("llama", kv_heads).to(DEVICE)
