@@ -616,3 +616,14 @@ def test_the_promotion_example_sets_its_budget_and_a_layer_this_model_has(studio
     assert layer == min(found["layer"], studio.num_layers - 1) and f"{found['budget']:.0%} of the bytes" in hint
     needle = Handlers(studio).pick_example("Needle in ~2K tokens of Austen (retrieval)")
     assert not isinstance(needle[3], int) and not isinstance(needle[5], float)  # skipped: the form's stay
+
+
+def test_the_sessions_table_says_how_many_runs_it_lists(studio):
+    from ui.handlers import Handlers
+
+    events = Handlers(studio)
+    empty = events.list_sessions([])
+    assert empty["value"] == [] and empty["label"] == "No runs saved in this browser yet"
+    final = list(studio.run(request(methods=("qevict",), max_new=4)))[-1]
+    listed = events.list_sessions([{"id": final.session_id, "token": "t"}, {"id": "not-a-session-id-at-all", "token": "t"}])
+    assert [row[0] for row in listed["value"]] == [final.session_id] and listed["label"] == "1 run saved in this browser"

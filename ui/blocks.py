@@ -150,7 +150,8 @@ def sessions_tab() -> SimpleNamespace:
     s = SimpleNamespace()
     gr.Markdown("Runs made or imported **in this browser** (kept in its local storage, with their delete tokens). "
                 "Nobody else sees this list; a share link opens one run.")
-    s.table = gr.Dataframe(headers=sessions.SESSION_HEADERS, interactive=False, elem_id="sessions-table", wrap=True)
+    s.table = gr.Dataframe(headers=sessions.SESSION_HEADERS, interactive=False, elem_id="sessions-table", wrap=True,
+                           label="Loading this browser's runs…", show_label=True)
     s.id = gr.Textbox(label="Session id (click a row)", elem_id="manage-id")
     with gr.Row():
         s.open = gr.Button("Open in Replay", elem_id="open-session")

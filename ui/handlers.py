@@ -241,7 +241,10 @@ class Handlers:
 
     # -- sessions -------------------------------------------------------------------------------------------------
     def list_sessions(self, owned):
-        return sessions.rows(self.studio.store, owned)
+        """The table of this browser's runs, its label saying how many (an empty table reads as "none", not as
+        "not loaded yet")."""
+        listed = sessions.rows(self.studio.store, owned)
+        return gr.update(value=listed, label=sessions.count_label(len(listed)))
 
     def pick_row(self, evt: gr.SelectData):
         return evt.row_value[0] if evt.row_value else gr.skip()
@@ -290,7 +293,7 @@ class Handlers:
 
     def on_load(self, layer, head, lane, owned, request: gr.Request):
         """A share link (``?session=``) opens its run in Replay; the Sessions table lists this browser's runs."""
-        listed = sessions.rows(self.studio.store, owned)
+        listed = self.list_sessions(owned)
         session_id = request.query_params.get("session") if request is not None else None
         if not session_id:
             return (gr.skip(), gr.skip(), *([gr.skip()] * 10), listed)

@@ -49,6 +49,10 @@ def token_for(state: Any, session_id: str) -> str | None:
 SESSION_HEADERS = ["id", "created (UTC)", "status", "lanes", "prompt"]
 
 
+def count_label(count: int) -> str:
+    return f"{count} run{'s' if count != 1 else ''} saved in this browser" if count else "No runs saved in this browser yet"
+
+
 def rows(store: SessionStore, state: Any) -> list[list[str]]:
     """Table rows for the sessions this browser made or imported; one odd row never hides the others."""
     out = []
