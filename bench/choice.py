@@ -13,7 +13,7 @@ from pathlib import Path
 from statistics import mean
 
 from .common import RESULTS, read_jsonl
-from .stats import paired, shared
+from .stats import paired, paired_cell, shared
 
 RETRIEVAL_BUDGETS = (0.05, 0.1)
 
@@ -72,7 +72,7 @@ def table(candidates: list[dict], reference: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in candidates:
         kl = [f"{c['kl'][b]:.4f}" if c["kl"][b] is not None else "—" for b in budgets]
-        diff = c["vs_reference"].text() if c["vs_reference"] is not None and c["lane"] != reference else "—"
+        diff = paired_cell(c["vs_reference"], 1, 1, "higher") if c["lane"] != reference else "—"
         lines.append(f"| `{c['lane']}` | {c['R']:.1f} | {diff} | {c['R20']:.1f} | " + " | ".join(kl)
                      + f" | {'pass' if c['gate'] else 'fail'} |")
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from statistics import mean
 
 from qevict_core.registry import METHODS
 
-from .stats import Paired, paired, shared
+from .stats import paired, paired_cell, shared
 
 # The paper's baselines that take a budget: the "best baseline" of a budget is the one of these with the best mean.
 BUDGETED_BASELINES = tuple(name for name, spec in METHODS.items() if spec.family == "eviction" and spec.kind == "method")
@@ -21,12 +21,6 @@ def _by_sample(rows: list[dict], key, value) -> dict:
         if value(r) is not None:
             out[(r["method"], r["budget"]) + key(r)[:-1]][key(r)[-1]] = value(r)
     return out
-
-
-def _cell(result: Paired | None, scale: float, digits: int, better: str) -> str:
-    if result is None:
-        return "—"
-    return f"{result.text(scale, digits)} ({result.pairs}; {result.verdict(better)})"
 
 
 def ruler_paired(rows: list[dict]) -> str:
@@ -43,17 +37,18 @@ def ruler_paired(rows: list[dict]) -> str:
         for length in lengths:
             mine = samples.get((method, budget, length), {})
             full = samples.get(("fullkv", None, length), {})
-            cells.append(_cell(paired(*shared(mine, full)) if set(mine) & set(full) else None, 100, 1, "higher"))
+            cells.append(paired_cell(paired(*shared(mine, full)) if set(mine) & set(full) else None, 100, 1, "higher"))
             best = _best(samples, budget, length, exclude=method)
             if best is None:
                 cells.append("—")
                 continue
             theirs = samples[(best, budget, length)]
             result = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
-            cells.append(f"{_cell(result, 100, 1, 'higher')} vs {best}")
+            cells.append(f"{paired_cell(result, 100, 1, 'higher')} vs {best}")
         name = method if budget is None else f"{method} @{budget:.0%}"
         lines.append("| " + " | ".join([name] + cells) + " |")
-    return ("Paired differences in string_match_all × 100: mean [95% bootstrap CI] (shared samples; verdict). "
+    return ("Paired differences in string_match_all × 100: mean [95% bootstrap CI] (shared samples; verdict; the "
+            "smallest difference detectable with 80% power; exact sign test). "
             "The best baseline of a budget is the budgeted paper baseline with the highest mean there.\n\n"
             + "\n".join(lines) + "\n")
 
@@ -74,9 +69,10 @@ def fidelity_paired(rows: list[dict]) -> str:
         mine, theirs = passages[(method, budget)], passages[(best, budget)]
         result = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
         lines.append(f"| {method if budget is None else f'{method} @{budget:.0%}'} | "
-                     f"{_cell(result, 1, 4, 'lower')} vs {best} |")
+                     f"{paired_cell(result, 1, 4, 'lower')} vs {best} |")
     return ("Paired differences in mean next-token KL: mean [95% bootstrap CI] (shared passages; verdict, lower is "
-            "better).\n\n" + "\n".join(lines) + "\n")
+            "better; the smallest difference detectable with 80% power; exact sign test).\n\n" + "\n".join(lines)
+            + "\n")
 
 
 def _best(samples: dict, budget, length, exclude: str, higher: bool = True) -> str | None:
@@ -105,12 +101,12 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
         for length in lengths:
             mine, theirs = samples.get((a, budget, length), {}), samples.get((b, budget, length), {})
             x, y = shared(mine, theirs)
-            cells.append(_cell(paired(x, y), 100, 1, "higher") if x else "—")
+            cells.append(paired_cell(paired(x, y), 100, 1, "higher") if x else "—")
             if budget in (0.05, 0.1):
                 pooled_a, pooled_b = pooled_a + x, pooled_b + y
         lines.append(f"| {budget:.0%} | " + " | ".join(cells) + " |")
     if pooled_a:
-        lines.append(f"| 5% and 10%, every length | {_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
+        lines.append(f"| 5% and 10%, every length | {paired_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
                      + " |" * (len(lengths) - 1))
     return "\n".join(lines) + "\n"
 
@@ -134,8 +130,8 @@ def ruler_headline(rows: list[dict], method: str) -> str:
             vs_full = paired(*shared(mine, full)) if set(mine) & set(full) else None
             vs_best = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
             lines.append(f"| {budget:.0%} | {length // 1024}K | {100 * mean(mine.values()):.1f} | "
-                         f"{100 * mean(full.values()):.1f} | {_cell(vs_full, 100, 1, 'higher')} | "
-                         f"{best} {100 * mean(theirs.values()):.1f} | {_cell(vs_best, 100, 1, 'higher')} |")
+                         f"{100 * mean(full.values()):.1f} | {paired_cell(vs_full, 100, 1, 'higher')} | "
+                         f"{best} {100 * mean(theirs.values()):.1f} | {paired_cell(vs_best, 100, 1, 'higher')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +143,7 @@ def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
     for budget in budgets:
         x, y = shared(passages.get((a, budget), {}), passages.get((b, budget), {}))
         if x:
-            lines.append(f"| {budget:.0%} | {mean(x):.4f} | {mean(y):.4f} | {_cell(paired(x, y), 1, 4, 'lower')} |")
+            lines.append(f"| {budget:.0%} | {mean(x):.4f} | {mean(y):.4f} | {paired_cell(paired(x, y), 1, 4, 'lower')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +167,7 @@ def drift_paired(rows: list[dict], only: tuple[str, ...] = ()) -> str:
                 cells.append("—")
                 continue
             result = paired(*shared(table[(method, budget)], table[(best, budget)]))
-            cells.append(f"{_cell(result, 1, 4, 'lower')} vs {best}")
+            cells.append(f"{paired_cell(result, 1, 4, 'lower')} vs {best}")
         name = method if budget is None else f"{method} @{budget:.0%}"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return ("KL(FullKV ‖ method) of the next-token distributions over the decode, teacher-forced; slope: least "

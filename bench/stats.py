@@ -1,8 +1,13 @@
-"""Paired comparisons over shared samples: the mean difference with a 95% bootstrap interval.
+"""Paired comparisons over shared samples: the mean difference with a 95% bootstrap interval, the smallest
+difference the pairs could detect, and an exact sign test beside it.
 
 Two methods run on the same prompts (or passages) give paired scores; what a reader may call a difference is a
 difference whose interval excludes zero. The bootstrap resamples the pairs (percentile interval, a fixed seed, so a
-re-render gives the same numbers); with fewer than two pairs there is no interval.
+re-render gives the same numbers); with fewer than two pairs there is no interval. "Indistinguishable" says nothing
+about equality: ``detectable`` is the smallest true difference these pairs would find with 80% power at a two-sided
+5% level, (z_0.975 + z_0.80) · sd / √n from the differences' own spread, so a reader sees how large a difference
+could hide in an "indistinguishable" cell. The sign test (exact binomial on the pairs that differ; McNemar's exact
+test when scores are 0 or 1) needs no resampling.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 RESAMPLES = 10_000
+POWER_Z = 1.959963984540054 + 0.8416212335729143  # z_0.975 + z_0.80: two-sided 5%, 80% power
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,16 @@ class Paired:
     low: float | None  # 95% bootstrap interval of that mean; None with fewer than two pairs
     high: float | None
     pairs: int
+    sd: float | None = None  # sample standard deviation of the differences
+    sign_p: float | None = None  # exact two-sided sign test over the pairs that differ (1.0 when none do)
+
+    @property
+    def detectable(self) -> float | None:
+        """The smallest |difference| these pairs detect with 80% power at a two-sided 5% level; None without a
+        spread to estimate it from (fewer than two pairs, or every difference the same)."""
+        if self.sd is None or self.sd <= 1e-12 * max(1.0, abs(self.mean)):  # every difference the same (to rounding)
+            return None
+        return POWER_Z * self.sd / self.pairs ** 0.5
 
     @property
     def excludes_zero(self) -> bool:
@@ -40,21 +56,35 @@ class Paired:
         return f"{self.mean * scale:+.{digits}f} [{self.low * scale:+.{digits}f}, {self.high * scale:+.{digits}f}]"
 
 
+def paired_cell(result: Paired | None, scale: float, digits: int, better: str) -> str:
+    """One table cell: '+0.6 [-3.8, +5.3] (80; indistinguishable; detects ±6.1; sign p 0.82)', values times
+    ``scale``; "—" without a comparison."""
+    if result is None:
+        return "—"
+    detects = f"±{result.detectable * scale:.{digits}f}" if result.detectable is not None else "—"
+    return (f"{result.text(scale, digits)} ({result.pairs}; {result.verdict(better)}; detects {detects}; "
+            f"sign p {result.sign_p:.2g})")
+
+
 def paired(a: list[float], b: list[float], seed: int = 0) -> Paired:
     """a[i] and b[i] measured on the same sample i."""
     if len(a) != len(b):
         raise ValueError(f"paired samples need equal lengths (got {len(a)} and {len(b)})")
     if not a:
         raise ValueError("no shared samples to compare")
+    from scipy.stats import binomtest
+
     diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
     mean = float(diff.mean())
+    ups, downs = int((diff > 0).sum()), int((diff < 0).sum())
+    sign_p = float(binomtest(ups, ups + downs, 0.5).pvalue) if ups + downs else 1.0
     if len(diff) < 2:
-        return Paired(mean, None, None, len(diff))
+        return Paired(mean, None, None, len(diff), None, sign_p)
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(diff), (RESAMPLES, len(diff)), generator=g)
     means = diff[picks].mean(dim=1)
     low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return Paired(mean, low, high, len(diff))
+    return Paired(mean, low, high, len(diff), float(diff.std()), sign_p)
 
 
 def shared(by_key_a: dict, by_key_b: dict) -> tuple[list[float], list[float]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from statistics import median
 
-from .stats import paired
+from .stats import paired, paired_cell
 
 
 def needle_table(rows: list[dict]) -> str:
@@ -41,8 +41,7 @@ def serve_table(rows: list[dict]) -> str:
     for budget in [None] + settings:
         mine = [r for r in rows if r["budget"] == budget]
         scores = mine[0]["scores"]
-        diff = "—" if budget is None else (lambda p: f"{p.text(100, 1)} ({p.pairs}; {p.verdict('higher')})")(
-            paired(scores, base_scores))
+        diff = "—" if budget is None else paired_cell(paired(scores, base_scores), 100, 1, "higher")
         speed = median(r["tokens_per_second"] for r in mine)
         memory = median(r["peak_blocks"] * r["block_bytes"] + r["qevict_peak_bytes"] for r in mine)
         name = "vLLM alone" if budget is None else f"vLLM + QEvict @{budget:.0%}"

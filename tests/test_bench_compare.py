@@ -1,5 +1,7 @@
 """The paired comparisons that the rendered tables print (bench/compare.py), pinned on hand-built rows."""
 
+import pytest
+
 from bench.compare import ruler_headline
 
 
@@ -15,15 +17,15 @@ def test_headline_pairs_with_fullkv_and_the_baseline_with_the_best_mean():
     assert len(lines) == 3  # header, rule, one budget at one length
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:4] == ["10%", "2K", "100.0", "100.0"]
-    assert cells[4].startswith("+0.0 [+0.0, +0.0] (20; indistinguishable)")
+    assert cells[4].startswith("+0.0 [+0.0, +0.0] (20; indistinguishable; detects —; sign p 1)")
     assert cells[5] == "h2o 25.0"  # the best baseline by mean, not the first listed
-    assert cells[6].startswith("+75.0 [") and cells[6].endswith("(20; better)")
+    assert cells[6].startswith("+75.0 [") and "(20; better; detects ±" in cells[6]
 
 
 def test_headline_pairs_only_the_samples_both_ran():
     rows = _rows("fullkv", None, [1.0] * 10) + _rows("qevict", 0.05, [0.0] * 4) + _rows("snapkv", 0.05, [0.0] * 10)
     cells = [c.strip() for c in ruler_headline(rows, "qevict").splitlines()[2].strip("|").split("|")]
-    assert cells[4].startswith("-100.0 [-100.0, -100.0] (4; worse)")
+    assert cells[4].startswith("-100.0 [-100.0, -100.0] (4; worse; detects —; sign p 0.12)")
 
 
 def test_the_vllm_serving_table_pairs_scores_and_adds_qevicts_bytes_to_the_blocks():
@@ -59,8 +61,8 @@ def test_drift_pairs_kl_and_slope_by_passage_with_the_lowest_kl_baseline():
     assert list(lines) == ["qevict @10%"]  # only the methods asked for, never FullKV
     cells = lines["qevict @10%"]
     assert cells[1:4] == ["0.100", "3", "0.2000"]
-    assert cells[5] == "-0.3000 [-0.3000, -0.3000] (3; better) vs h2o"  # h2o: the lowest mean KL, not snapkv
-    assert cells[6] == "+0.4000 [+0.4000, +0.4000] (3; worse) vs h2o"  # the slope is paired with the same one
+    assert cells[5] == "-0.3000 [-0.3000, -0.3000] (3; better; detects —; sign p 0.25) vs h2o"  # h2o: the lowest mean KL, not snapkv
+    assert cells[6] == "+0.4000 [+0.4000, +0.4000] (3; worse; detects —; sign p 0.25) vs h2o"  # the slope is paired with the same one
 
 
 def test_the_studio_latency_table_takes_medians_and_counts_found_answers_per_lane():
@@ -76,3 +78,22 @@ def test_the_studio_latency_table_takes_medians_and_counts_found_answers_per_lan
     handlers, browser = ([c.strip() for c in line.strip("|").split("|")] for line in lines[-2:])
     assert handlers == ["Needle", "handlers", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
     assert browser == ["Needle", "browser", "64", "1", "9.0", "10.0", "0.5", "fullkv 1/1, qevict 1/1"]
+
+
+def test_a_paired_comparison_says_what_it_could_detect_and_its_exact_sign_test():
+    from scipy.stats import binomtest
+
+    from bench.stats import POWER_Z, paired, paired_cell
+
+    a = [1.0] * 10 + [0.0] * 2 + [1.0] * 28  # 40 pairs: 12 discordant, 10 one way and 2 the other
+    b = [0.0] * 10 + [1.0] * 2 + [1.0] * 28
+    result = paired(a, b)
+    diff = [x - y for x, y in zip(a, b)]
+    mean = sum(diff) / 40
+    sd = (sum((d - mean) ** 2 for d in diff) / 39) ** 0.5
+    assert result.detectable == pytest.approx(POWER_Z * sd / 40 ** 0.5) and POWER_Z == pytest.approx(2.8016, abs=1e-4)
+    assert result.sign_p == pytest.approx(binomtest(10, 12, 0.5).pvalue)  # McNemar's exact test on 0/1 scores
+    assert paired_cell(result, 100, 1, "higher").endswith(f"detects ±{100 * result.detectable:.1f}; sign p "
+                                                          f"{result.sign_p:.2g})")
+    same = paired([1.0, 0.0, 1.0], [1.0, 0.0, 1.0])
+    assert same.detectable is None and same.sign_p == 1.0 and "detects —" in paired_cell(same, 100, 1, "higher")
