@@ -26,14 +26,13 @@ COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv"
           "kivi2": "#ca8a04", "kivi4": "#a16207", "qevict_nopromo": "#65a30d", "r1": "#f97316", "r2": "#fb923c"}
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, two-sided
-
-
 def interval(values: list[float], digits: int = 3) -> str:
     """mean ± half-width of the 95% t-interval over independent runs (passages); the mean alone for one run."""
+    from scipy.stats import t
+
     if len(values) < 2:
         return f"{values[0]:.{digits}f}" if values else "—"
-    half = T95.get(len(values) - 1, 1.96) * stdev(values) / math.sqrt(len(values))
+    half = t.ppf(0.975, len(values) - 1) * stdev(values) / math.sqrt(len(values))  # Student t at every df
     return f"{mean(values):.{digits}f} ± {half:.{digits}f}"
 
 

@@ -175,8 +175,10 @@ def test_fidelity_lane_with_a_config_field_changed():
 def test_t_interval_follows_its_definition():
     from bench.report import interval
 
-    # mean 2, sample sd 1, n = 3: half-width t(0.975, 2) * 1 / sqrt(3) = 4.30 / 1.732 = 2.483
-    assert interval([1.0, 2.0, 3.0]) == "2.000 ± 2.483"
+    # mean 2, sample sd 1, n = 3: half-width t(0.975, 2) * 1 / sqrt(3) = 4.3027 / 1.7321 = 2.484
+    assert interval([1.0, 2.0, 3.0]) == "2.000 ± 2.484"
+    # n = 20 passages: t(0.975, 19) = 2.093, not the normal 1.96 (sample sd of 0..19 is 5.916; / sqrt(20) = 1.323)
+    assert interval([float(i) for i in range(20)]) == "9.500 ± 2.769"
     assert interval([0.5]) == "0.500" and interval([]) == "—"
 
 
