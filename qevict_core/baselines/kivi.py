@@ -2,8 +2,9 @@
 
 Keys are quantized per channel over groups of G tokens (post-RoPE, as in the official code) once R full-precision
 keys have accumulated; values per token over groups of G channels, keeping the last R tokens in full precision.
-Codes are bit-packed, scales and minimums are kept in the model dtype. KIVI has no byte budget: it runs at its own
-operating point, reported at its measured bytes (~(bits + 2·16/G)/16 of FullKV plus the residual in fp16).
+Codes are bit-packed, scales and minimums are kept in the cache's 16-bit dtype (``kv_dtype``), as is the residual.
+KIVI has no byte budget: it runs at its own operating point, reported at its measured bytes (~(bits + 2·16/G)/16 of
+FullKV plus the residual).
 """
 
 from __future__ import annotations
