@@ -47,8 +47,8 @@ def _codes(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int
 
 def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int,
                      param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Parameters stored in another dtype than ``x``, or ``x`` in 16 bits: the zero-point rounded down and the scale up to
-    ``param_dtype``, so that [zero, zero + levels * scale] still covers the slice, and the codes computed against
+    """Parameters stored in another dtype than ``x``, or ``x`` in 16 bits: the zero-point rounded down and the scale
+    up to ``param_dtype``, so that [zero, zero + levels * scale] still covers the slice, and the codes computed against
     the stored pair: the half-step bound holds for the pair dequantization reads, not for one it never sees. The
     arithmetic runs in float32 at least, where every float16 and bfloat16 pair is exact."""
     work = torch.promote_types(x.dtype, torch.float32)
