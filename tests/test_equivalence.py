@@ -56,6 +56,8 @@ def test_full_budget_is_fullkv_and_fullkv_is_transformers_cache(any_tiny_model):
 def test_every_method_stores_sixteen_bits_beside_a_float32_model():
     """Budgets are shares of a 16-bit cache: FullKV's bytes per token are half a float32 cache's, and no method
     keeps a float32 key or value, whichever tier holds it."""
+    from tests.test_budget import resident_tensors
+
     model = tiny_model("llama", 2)
     prompt = random_prompt(200)
     wide = make_cache("fullkv", model, QEvictConfig(kv_dtype="model"), max_length=240)
@@ -63,27 +65,9 @@ def test_every_method_stores_sixteen_bits_beside_a_float32_model():
         cache = make_cache(method, model, QEvictConfig(budget=0.3, kv_dtype="float16"), max_length=240)
         assert cache.shape.token_bytes() * 2 == wide.shape.token_bytes()
         model.generate(prompt, **{KV: cache}, max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        stored = {t.dtype for layer in cache.layers for t in _tensors(layer)
+        stored = {t.dtype for layer in cache.layers for t in resident_tensors(layer)
                   if t.is_floating_point() and t.shape[-1] == model.config.head_dim}
         assert stored == {torch.float16}, (method, stored)
-
-
-def _tensors(obj, depth=0):
-    """Every tensor an object holds in its attributes (lists and nested objects too)."""
-    if depth > 3:
-        return
-    for value in vars(obj).values():
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-                elif hasattr(item, "__dict__") and not isinstance(item, torch.nn.Module):
-                    yield from _tensors(item, depth + 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module) and depth < 2 \
-                and type(value).__module__.startswith("qevict_core.engine"):
-            yield from _tensors(value, depth + 1)
 
 
 def test_decode_loop_and_model_generate_agree_under_compression():
