@@ -58,9 +58,9 @@ def replay(model, sequence: torch.Tensor, prompt_len: int, method: str, config: 
         call(model, sequence[:, :prompt_len], cache)
         for i in range(prompt_len, sequence.shape[1]):
             call(model, sequence[:, i:i + 1], cache)
-    by_layer: dict[int, list[dict]] = {}
+    by_layer: dict[int, list] = {}
     for event in cache.events:
-        by_layer.setdefault(event.layer, []).append(event.to_dict())
+        by_layer.setdefault(event.layer, []).append(event)
     return cache, by_layer
 
 
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
             offset = i * len(traces)
             pooled.update({offset + layer: (traces[layer], events) for layer, events in by_layer.items()})
         result = dg.diagnose([t for t, _ in pooled.values()], {i: e for i, (_, e) in enumerate(pooled.values())},
-                             args.prefill, args.sinks, omega, runs[0][1].plan.num_windows, k_full, args.horizon)
+                             args.prefill, runs[0][1].plan.num_windows, k_full, args.horizon)
         conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant, **result}
     result = {"meta": meta, "args": vars(args), "conditions": conditions, "skipped": skipped}
     (out / "diagnostics.json").write_text(json.dumps(result, indent=1))

@@ -1,6 +1,7 @@
 """The paper's attention-drift diagnostics (Section 3, Appendix I), from FullKV attention traces.
 
-A policy's decisions come from its own routing events (``RoutingEvent`` dicts: what it kept at each event); the
+A policy's decisions come from its own routing events (``RoutingEvent``: what it kept at each event, on which window
+grid); the
 attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place that attention
 exists. Routing is shared by a layer's heads; FMM and tier mass are computed per layer and head as Appendix I.1
 defines them (Eq. 12 per head), then averaged. QSA and the oracle compare with the policy's own ranking, which is
@@ -29,6 +30,7 @@ from statistics import median
 import torch
 
 from .engine.layout import WindowGrid
+from .events import RoutingEvent
 
 
 @dataclass
@@ -97,34 +99,33 @@ def reference_scores(trace: LayerTrace, prompt_len: int, seen: int, sinks: int, 
     return windows
 
 
-def _historical(event: dict, sinks: int, omega: int) -> int:
+def _historical(event: RoutingEvent) -> int:
     """Number of windows that have left the recent region at this event."""
-    return WindowGrid(sinks, omega).window_of(event["recent_start"])
+    return event.grid.window_of(event.recent_start)
 
 
-def accessible_positions(event: dict, sinks: int, omega: int, include_quantized: bool = True) -> set[int]:
-    kept = set(event["full"]) | (set(event["quantized"]) if include_quantized else set())
-    positions = set(range(min(sinks, event["seen"])))
-    grid = WindowGrid(sinks, omega)
-    positions |= {grid.start(w) + i for w in kept for i in range(omega)}
-    positions |= set(range(event["recent_start"], event["seen"]))
+def accessible_positions(event: RoutingEvent, include_quantized: bool = True) -> set[int]:
+    kept = set(event.full) | (set(event.quantized) if include_quantized else set())
+    grid = event.grid
+    positions = set(range(min(grid.sinks, event.seen)))
+    positions |= {grid.start(w) + i for w in kept for i in range(grid.omega)}
+    positions |= set(range(event.recent_start, event.seen))
     return positions
 
 
-def future_missed_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
-                       horizon: int = 32, include_quantized: bool = True) -> list[tuple[int, float]]:
+def future_missed_mass(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int, horizon: int = 32, include_quantized: bool = True) -> list[tuple[int, float]]:
     """(decode step, FMM averaged over heads) per routing event; ``include_quantized=False`` treats the low-bit
     tier as gone. Heads whose future rows put no mass on existing positions have no FMM and are left out."""
     out = []
     total_decoded = trace.heads.shape[1]
     for event in events:
-        seen = event["seen"]
+        seen = event.seen
         first, last = seen - prompt_len, min(seen - prompt_len + horizon, total_decoded)
         if first >= last:
             continue
         future = trace.heads[:, first:last, :seen]  # (H, rows of queries after the event, keys that existed)
         kept = torch.zeros(seen, dtype=torch.bool)
-        kept[list(accessible_positions(event, sinks, omega, include_quantized))] = True
+        kept[list(accessible_positions(event, include_quantized))] = True
         denominator = future.sum(dim=(1, 2))
         valid = denominator > 0
         if valid.any():
@@ -133,22 +134,21 @@ def future_missed_mass(trace: LayerTrace, events: list[dict], prompt_len: int, s
     return out
 
 
-def selection_churn(events: list[dict], sinks: int, omega: int) -> list[float]:
+def selection_churn(events: list[RoutingEvent]) -> list[float]:
     """Eq. 14 per pair of consecutive events. Full and quantized windows are historical by construction (the
     recent region is never routed), and every window holds Ω positions, so the Jaccard distance of the windows is
     that of the expanded positions."""
     out = []
     for before, after in zip(events, events[1:]):
-        kept_before = set(before["full"]) | set(before["quantized"])
-        kept_after = set(after["full"]) | set(after["quantized"])
+        kept_before = set(before.full) | set(before.quantized)
+        kept_after = set(after.full) | set(after.quantized)
         union = kept_before | kept_after
         if union:
             out.append(1 - len(kept_before & kept_after) / len(union))
     return out
 
 
-def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
-              num_windows: int) -> dict[str, float]:
+def tier_mass(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int) -> dict[str, float]:
     """Eq. 15 as the paper states it: per query head, each tier's share of the FullKV cumulative scores (Eq. 12,
     that head's attention) summed over the windows W_t, the windows after the sink prefix; ``local`` is the
     protected recent region's windows; the sinks are no window and count nowhere. Averaged over heads, then over
@@ -156,7 +156,7 @@ def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int
     shares = {"full": [], "quantized": [], "evicted": [], "local": []}
     per_head_prefill = trace.prefill_heads if trace.prefill_heads is not None else trace.prefill_mass[None]
     for event in events:
-        seen = event["seen"]
+        seen, sinks = event.seen, event.grid.sinks
         mass = per_head_prefill.clone()  # (H, T)
         if seen > prompt_len:
             decoded = trace.heads[:, :seen - prompt_len].sum(1)  # (H, T)
@@ -167,10 +167,10 @@ def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int
         if not valid.any():
             continue
         offset = torch.arange(sinks, seen)
-        window_of = WindowGrid(sinks, omega).window_of(offset)
-        full = torch.isin(window_of, torch.tensor(event["full"], dtype=torch.long))
-        quant = torch.isin(window_of, torch.tensor(event["quantized"], dtype=torch.long)) & ~full
-        local = offset >= event["recent_start"]
+        window_of = event.grid.window_of(offset)
+        full = torch.isin(window_of, torch.tensor(event.full, dtype=torch.long))
+        quant = torch.isin(window_of, torch.tensor(event.quantized, dtype=torch.long)) & ~full
+        local = offset >= event.recent_start
         full, quant = full & ~local, quant & ~local
         tiers = {"full": full, "quantized": quant, "local": local, "evicted": ~(full | quant | local)}
         for name, where in tiers.items():
@@ -178,28 +178,27 @@ def tier_mass(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int
     return {name: sum(v) / len(v) if v else 0.0 for name, v in shares.items()}
 
 
-def _score(event: dict, window: int) -> float | None:
-    scores = event["scores"]  # keys are ints in memory, strings after a JSON round trip
-    value = scores.get(window, scores.get(str(window)))
+def _score(event: RoutingEvent, window: int) -> float | None:
+    value = event.scores.get(window)
     return None if value is None else float(value)
 
 
-def quantized_score_agreement(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
-                              num_windows: int, decode_only: bool = False) -> tuple[list[float], list[float]]:
+def quantized_score_agreement(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int, num_windows: int,
+                              decode_only: bool = False) -> tuple[list[float], list[float]]:
     """(QSA, R_Q) per event with a non-empty quantized tier: cosine and mass ratio of the policy's own scores of its
     quantized windows against FullKV's cumulative scores of the same windows. ``decode_only``: both sides without
     the prompt's mass — the policy's score at the end-of-prefill event (``events[0]``, 0 for a window that did
     not exist yet) is subtracted, and FullKV's prompt rows are left out."""
     qsa, ratio = [], []
-    prefill = events[0] if events and events[0]["seen"] == prompt_len else None
+    prefill = events[0] if events and events[0].seen == prompt_len else None
     for event in events[1:] if decode_only else events:
-        windows = [w for w in event["quantized"] if _score(event, w) is not None]
+        windows = [w for w in event.quantized if _score(event, w) is not None]
         if not windows:
             continue
         own = torch.tensor([_score(event, w) for w in windows])
         if decode_only:
             own -= torch.tensor([(_score(prefill, w) or 0.0) if prefill else 0.0 for w in windows])
-        ref = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows,
+        ref = reference_scores(trace, prompt_len, event.seen, event.sinks, event.omega, num_windows,
                                with_prefill=not decode_only)[windows]
         if own.norm() > 0 and ref.norm() > 0:
             qsa.append(torch.nn.functional.cosine_similarity(own, ref, dim=0).item())
@@ -207,24 +206,24 @@ def quantized_score_agreement(trace: LayerTrace, events: list[dict], prompt_len:
     return qsa, ratio
 
 
-def membership(events: list[dict], selected: list[set[int]], sinks: int, omega: int) -> dict[int, list[int | None]]:
+def membership(events: list[RoutingEvent], selected: list[set[int]]) -> dict[int, list[int | None]]:
     """Per window, its 0/1 membership in ``selected`` at each event (None before it left the recent region)."""
-    num = max((_historical(e, sinks, omega) for e in events), default=0)
+    num = max((_historical(e) for e in events), default=0)
     out = {w: [] for w in range(num)}
     for event, chosen in zip(events, selected):
-        historical = _historical(event, sinks, omega)
+        historical = _historical(event)
         for w in range(num):
             out[w].append(None if w >= historical else int(w in chosen))
     return out
 
 
-def oracle_selection(trace: LayerTrace, events: list[dict], prompt_len: int, sinks: int, omega: int,
-                     num_windows: int, k_full: int) -> list[set[int]]:
+def oracle_selection(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int, num_windows: int,
+                     k_full: int) -> list[set[int]]:
     """Top-K_f historical windows of FullKV's cumulative ranking at every event."""
     out = []
     for event in events:
-        historical = _historical(event, sinks, omega)
-        scores = reference_scores(trace, prompt_len, event["seen"], sinks, omega, num_windows)[:historical]
+        historical = _historical(event)
+        scores = reference_scores(trace, prompt_len, event.seen, event.sinks, event.omega, num_windows)[:historical]
         out.append(set(scores.topk(min(k_full, historical)).indices.tolist()) if historical else set())
     return out
 
@@ -267,40 +266,38 @@ def lagged_transitions(series: dict[int, list[int | None]], max_lag: int = 8) ->
     return out
 
 
-def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]], prompt_len: int, sinks: int,
-             omega: int, num_windows: int, k_full: int, horizon: int = 32, max_lag: int = 8, m: int = 3) -> dict:
+def diagnose(traces: list[LayerTrace], events_by_layer: dict[int, list[RoutingEvent]], prompt_len: int,
+             num_windows: int, k_full: int, horizon: int = 32, max_lag: int = 8, m: int = 3) -> dict:
     """Every diagnostic for one policy run, averaged over layers: the numbers of the paper's Table 14-16. A run
     routed per KV head (events with a ``head``) is scored per layer and head, each head against the attention of
     its own query group, and averaged over both."""
     per_layer = []
     for layer, trace, events in _routing_units(traces, events_by_layer):
-        decode = [e for e in events if e["seen"] >= prompt_len]
-        policy = membership(decode, [set(e["full"]) for e in decode], sinks, omega)
-        oracle = membership(decode, oracle_selection(trace, decode, prompt_len, sinks, omega, num_windows, k_full),
-                            sinks, omega)
-        qsa, r_q = quantized_score_agreement(trace, decode, prompt_len, sinks, omega, num_windows)
-        qsa_dec, r_q_dec = quantized_score_agreement(trace, decode, prompt_len, sinks, omega, num_windows,
-                                                     decode_only=True)
+        decode = [e for e in events if e.seen >= prompt_len]
+        policy = membership(decode, [set(e.full) for e in decode])
+        oracle = membership(decode, oracle_selection(trace, decode, prompt_len, num_windows, k_full))
+        qsa, r_q = quantized_score_agreement(trace, decode, prompt_len, num_windows)
+        qsa_dec, r_q_dec = quantized_score_agreement(trace, decode, prompt_len, num_windows, decode_only=True)
         per_layer.append({
-            "fmm": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon),
-            "fmm_fp": future_missed_mass(trace, decode, prompt_len, sinks, omega, horizon, include_quantized=False),
-            "churn": selection_churn(decode, sinks, omega), "qsa": qsa, "r_q": r_q, "qsa_decode": qsa_dec,
+            "fmm": future_missed_mass(trace, decode, prompt_len, horizon),
+            "fmm_fp": future_missed_mass(trace, decode, prompt_len, horizon, include_quantized=False),
+            "churn": selection_churn(decode), "qsa": qsa, "r_q": r_q, "qsa_decode": qsa_dec,
             "r_q_decode": r_q_dec,
-            "tier_mass": tier_mass(trace, decode, prompt_len, sinks, omega, num_windows),
+            "tier_mass": tier_mass(trace, decode, prompt_len),
             "lir_policy": global_lir(policy, m), "lir_oracle": global_lir(oracle, m),
             "lagged": lagged_transitions(policy, max_lag)})
     return aggregate(per_layer)
 
 
-def _routing_units(traces: list[LayerTrace], events_by_layer: dict[int, list[dict]]):
+def _routing_units(traces: list[LayerTrace], events_by_layer: dict[int, list[RoutingEvent]]):
     """(layer, trace, events) per unit that routing decided for: a layer, or each KV head of a layer."""
     for layer, events in sorted(events_by_layer.items()):
-        heads = sorted({e["head"] for e in events if e.get("head") is not None})
+        heads = sorted({e.head for e in events if e.head is not None})
         if not heads:
             yield layer, traces[layer], events
             continue
         for head in heads:
-            yield layer, traces[layer].group(head, heads[-1] + 1), [e for e in events if e.get("head") == head]
+            yield layer, traces[layer].group(head, heads[-1] + 1), [e for e in events if e.head == head]
 
 
 def aggregate(layers: list[dict]) -> dict:

@@ -1,13 +1,20 @@
 """The one event stream that the CLI, the studio, storage, diagnostics and the benchmarks consume.
 
-Events are small dataclasses with ``to_dict`` / ``event_from_dict``; a lane is one method running on one cache.
-Routing events describe batch row 0 (every row is routed; the studio and diagnostics run batch 1).
+Each kind of event is declared here once, as a dataclass: the engine emits it, ``storage.schema`` derives the bounded
+model a stored or imported event must fit from its fields, and the studio folds the typed objects into its views.
+``to_dict`` gives the JSON form (window ids as string keys, non-finite scores as null); ``event_from_dict`` reads it
+back. A lane is one method running on one cache. Routing events describe batch row 0 (every row is routed; the
+studio and diagnostics run batch 1) and carry their window grid, so a stream redraws without its request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+from .engine.layout import WindowGrid
 
 
 @dataclass
@@ -28,29 +35,52 @@ class TokenEvent:
 class RoutingEvent:
     """One layer's routing decision. ``full``/``quantized`` list the window ids in each tier after the event;
     ``promoted`` went Q->F, ``demoted`` F->Q, ``evicted`` left the cache at this event; ``admitted`` are windows
-    that left the recent region (with their new tier). Windows at positions >= ``recent_start`` are recent.
-    ``head``: the KV head routed on its own (``qevict_head``); None when one decision covers every head."""
+    that left the recent region (with their new tier). Windows at positions >= ``recent_start`` are recent; window
+    ``w`` covers the positions ``sinks + w*omega ..`` (``grid``). ``head``: the KV head routed on its own
+    (``qevict_head``); None when one decision covers every head. A score is None when it was not finite."""
 
     lane: str
     step: int
     layer: int
     seen: int
     recent_start: int
+    sinks: int
+    omega: int
     full: list[int]
     quantized: list[int]
     promoted: list[int]
     demoted: list[int]
     evicted: list[int]
     admitted: dict[int, str] = field(default_factory=dict)
-    scores: dict[int, float] = field(default_factory=dict)
+    scores: dict[int, float | None] = field(default_factory=dict)
     head: int | None = None
     kind: str = "routing"
+
+    @property
+    def grid(self) -> WindowGrid:
+        return WindowGrid(self.sinks, self.omega)
+
+    def tiers(self, windows: Iterable[int]) -> list[str | None]:
+        """The tier of each of ``windows`` after this event: recent, full, quantized or evicted (None: not created
+        yet)."""
+        grid, full, quantized = self.grid, set(self.full), set(self.quantized)
+
+        def tier(window: int) -> str | None:
+            start = grid.start(window)
+            if start >= self.seen:
+                return None
+            if start >= self.recent_start:
+                return "recent"
+            return "full" if window in full else "quantized" if window in quantized else "evicted"
+
+        return [tier(w) for w in windows]
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["admitted"] = {str(k): v for k, v in self.admitted.items()}
         # JSON has no NaN or infinity (stores refuse them): a non-finite score is shown as unknown.
-        out["scores"] = {str(k): round(v, 6) if math.isfinite(v) else None for k, v in self.scores.items()}
+        out["scores"] = {str(k): round(v, 6) if v is not None and math.isfinite(v) else None
+                         for k, v in self.scores.items()}
         return out
 
 
@@ -88,14 +118,24 @@ class DoneEvent:
         return asdict(self)
 
 
-def event_from_dict(data: dict):
-    kind = data.get("kind")
-    if kind == "routing":
-        data = dict(data)
-        data["admitted"] = {int(k): v for k, v in data.get("admitted", {}).items()}
-        data["scores"] = {int(k): v for k, v in data.get("scores", {}).items()}
-        return RoutingEvent(**data)
-    classes = {"token": TokenEvent, "memory": MemoryEvent, "done": DoneEvent}
-    if kind not in classes:
-        raise ValueError(f"unknown event kind {kind!r}; allowed: {sorted(classes) + ['routing']}")
-    return classes[kind](**data)
+Event = TokenEvent | RoutingEvent | MemoryEvent | DoneEvent
+# kind -> its class, in the order a lane-step emits them
+EVENT_TYPES: dict[str, type] = {cls.__dataclass_fields__["kind"].default: cls
+                                for cls in (TokenEvent, RoutingEvent, MemoryEvent, DoneEvent)}
+
+
+def event_from_dict(data: dict) -> Event:
+    """The typed event of a ``to_dict`` form (window ids back to ints), or ValueError naming the kinds allowed."""
+    cls = EVENT_TYPES.get(data.get("kind"))
+    if cls is None:
+        raise ValueError(f"unknown event kind {data.get('kind')!r}; allowed: {sorted(EVENT_TYPES)}")
+    fields = dataclasses.fields(cls)
+    if unknown := sorted(set(data) - {f.name for f in fields}):
+        raise ValueError(f"a {cls.__name__} has no field(s) {unknown}; allowed: {sorted(f.name for f in fields)}")
+    required = [f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING]
+    if missing := [name for name in required if name not in data]:
+        raise ValueError(f"a {cls.__name__} needs the field(s) {missing}")
+    if cls is RoutingEvent:
+        data = {**data, "admitted": {int(k): v for k, v in data.get("admitted", {}).items()},
+                "scores": {int(k): v for k, v in data.get("scores", {}).items()}}
+    return cls(**data)

@@ -8,13 +8,15 @@ models, so one malformed document is refused with a message instead of reaching 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from qevict_core import QEvictConfig
+from qevict_core.events import EVENT_TYPES
 from qevict_core.registry import METHODS
 
 from .migrate import FORMAT as EXPORT_FORMAT, upgrade_document
@@ -106,63 +108,52 @@ class RequestSpec(BaseModel):
         return self
 
 
-class TokenDoc(BaseModel):
-    model_config = STRICT
-    kind: Literal["token"]
-    lane: LaneName
-    step: Step
-    token_id: Annotated[int, Field(ge=0, le=10**7)]
-    text: Annotated[str, Field(max_length=1000)]
-    seconds: Seconds = 0.0
-    alone_seconds: Seconds | None = None
+Position = Annotated[int, Field(ge=0, le=10**7)]
+# What a stored event's field may hold, by field name (a kind's own entry first). The fields themselves, their
+# defaults and which are required come from the event classes (qevict_core/events.py); one without a bound here
+# stops this module from loading.
+BOUNDS: dict[str, Any] = {
+    "lane": LaneName, "step": Step, "seconds": Seconds, "alone_seconds": Seconds | None,
+    "token_id": Annotated[int, Field(ge=0, le=10**7)],
+    "text": Annotated[str, Field(max_length=MAX_NEW_TOKENS * 64)],
+    "total_bytes": Count, "fullkv_bytes": Count, "budget_bytes": Count | None, "peak_bytes": Count,
+    "components": Annotated[dict[Key, Count], Field(max_length=32)],
+    "tiers": Annotated[dict[Key, Count], Field(max_length=8)],
+    "layer": Annotated[int, Field(ge=0, le=1024)], "head": Annotated[int, Field(ge=0, le=1024)] | None,
+    "seen": Position, "recent_start": Position, "sinks": Position,
+    "omega": Annotated[int, Field(ge=1, le=10**4)],
+    "full": Windows, "quantized": Windows, "promoted": Windows, "demoted": Windows, "evicted": Windows,
+    "admitted": Annotated[dict[WindowKey, Literal["full", "quantized", "evicted"]], Field(max_length=MAX_WINDOWS)],
+    "scores": Annotated[dict[WindowKey, Finite | None], Field(max_length=MAX_WINDOWS)],
+    "reason": Annotated[str, Field(max_length=2000)],
+    "tokens": Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)],
+    "prefill_seconds": Seconds, "decode_seconds": Seconds,
+    "summary": Annotated[dict[Key, int | Finite | bool | None], Field(max_length=32)],
+}
+OWN_BOUNDS: dict[str, dict[str, Any]] = {"token": {"text": Annotated[str, Field(max_length=1000)]}}
 
 
-class MemoryDoc(BaseModel):
-    model_config = STRICT
-    kind: Literal["memory"]
-    lane: LaneName
-    step: Step
-    total_bytes: Count
-    fullkv_bytes: Count
-    budget_bytes: Count | None
-    peak_bytes: Count
-    components: Annotated[dict[Key, Count], Field(max_length=32)]
-    tiers: Annotated[dict[Key, Count], Field(max_length=8)] = {}
+def _stored_model(kind: str, cls: type) -> type[BaseModel]:
+    """The bounded, strict model of ``cls``'s JSON form (``to_dict``)."""
+    fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
+    for f in dataclasses.fields(cls):
+        if f.name == "kind":
+            continue
+        bound = OWN_BOUNDS.get(kind, {}).get(f.name, BOUNDS.get(f.name))
+        if bound is None:
+            raise TypeError(f"{cls.__name__}.{f.name} has no bound in storage.schema.BOUNDS")
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = ...
+        fields[f.name] = (bound, default)
+    return create_model(f"Stored{cls.__name__}", __config__=STRICT, **fields)
 
 
-class RoutingDoc(BaseModel):
-    model_config = STRICT
-    kind: Literal["routing"]
-    lane: LaneName
-    step: Step
-    layer: Annotated[int, Field(ge=0, le=1024)]
-    head: Annotated[int, Field(ge=0, le=1024)] | None = None
-    seen: Annotated[int, Field(ge=0, le=10**7)]
-    recent_start: Annotated[int, Field(ge=0, le=10**7)]
-    full: Windows
-    quantized: Windows
-    promoted: Windows
-    demoted: Windows
-    evicted: Windows
-    admitted: Annotated[dict[WindowKey, Literal["full", "quantized", "evicted"]], Field(max_length=MAX_WINDOWS)] = {}
-    scores: Annotated[dict[WindowKey, Finite | None], Field(max_length=MAX_WINDOWS)] = {}
-
-
-class DoneDoc(BaseModel):
-    model_config = STRICT
-    kind: Literal["done"]
-    lane: LaneName
-    step: Step
-    reason: Annotated[str, Field(max_length=2000)]
-    text: Annotated[str, Field(max_length=MAX_NEW_TOKENS * 64)]
-    tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
-    prefill_seconds: Seconds
-    decode_seconds: Seconds
-    summary: Annotated[dict[Key, int | Finite | bool | None], Field(max_length=32)] = {}
-
-
-EventDoc = Annotated[Union[TokenDoc, MemoryDoc, RoutingDoc, DoneDoc], Field(discriminator="kind")]
-EVENT_MODELS = {"token": TokenDoc, "memory": MemoryDoc, "routing": RoutingDoc, "done": DoneDoc}
+EVENT_MODELS: dict[str, type[BaseModel]] = {kind: _stored_model(kind, cls) for kind, cls in EVENT_TYPES.items()}
+EventDoc = Annotated[Union[tuple(EVENT_MODELS.values())], Field(discriminator="kind")]
 
 
 class SessionSpec(BaseModel):
@@ -175,7 +166,7 @@ class SessionSpec(BaseModel):
 
 class SessionDocument(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-    format: Literal["qevict-session/2"]
+    format: Literal[EXPORT_FORMAT]
     session: SessionSpec
     events: Annotated[list[EventDoc], Field(max_length=MAX_EVENTS)]
 
@@ -184,7 +175,8 @@ class SessionDocument(BaseModel):
         request = self.session.request
         lanes = {lane.name for lane in request.lanes}
         last = request.sampling.max_new_tokens - 1
-        bounds = {lane.name: _window_bound(request, lane) for lane in request.lanes}
+        grids = {lane.name: (int(lane.config.get("sinks", 0)), int(lane.config.get("omega", 1)))
+                 for lane in request.lanes}
         total = request.prompt_length + request.sampling.max_new_tokens
         for i, event in enumerate(self.events):
             if event.lane not in lanes:
@@ -192,22 +184,20 @@ class SessionDocument(BaseModel):
             if event.step > last:
                 raise ValueError(f"event {i} is at step {event.step}, beyond max_new_tokens={last + 1}")
             if event.kind == "routing":
-                _check_routing(i, event, bounds[event.lane], total)
+                _check_routing(i, event, grids[event.lane], total)
         return self
 
 
-def _window_bound(request: RequestSpec, lane: LaneSpec) -> int:
-    """The largest window id a lane's routing can name: that of the session's last token (prompt + new tokens)
-    at the lane's own Ω and sinks, so no stored id can make a drawing larger than the run it shows."""
-    config = lane.config
-    total = request.prompt_length + request.sampling.max_new_tokens
-    return max(0, (total - 1 - int(config.get("sinks", 0))) // int(config.get("omega", 1)))
-
-
-def _check_routing(i: int, event: RoutingDoc, bound: int, total: int) -> None:
+def _check_routing(i: int, event: BaseModel, grid: tuple[int, int], total: int) -> None:
+    """An event drawn on its lane's grid, within the session: its largest window id is that of the session's last
+    token (prompt + new tokens), so no stored id can make a drawing larger than the run it shows."""
+    if (event.sinks, event.omega) != grid:
+        raise ValueError(f"event {i}: its window grid (sinks={event.sinks}, omega={event.omega}) is not its lane's "
+                         f"(sinks={grid[0]}, omega={grid[1]})")
     if event.seen > total or event.recent_start > event.seen:
         raise ValueError(f"event {i}: seen={event.seen}, recent_start={event.recent_start} must satisfy "
                          f"recent_start <= seen <= {total} (the session's prompt + new tokens)")
+    bound = max(0, (total - 1 - event.sinks) // event.omega)
     ids = [*event.full, *event.quantized, *event.promoted, *event.demoted, *event.evicted]
     largest = max([*ids, *map(int, event.admitted), *map(int, event.scores)], default=0)
     if largest > bound:
@@ -216,7 +206,7 @@ def _check_routing(i: int, event: RoutingDoc, bound: int, total: int) -> None:
 
 
 def parse_document(raw: bytes | str | dict) -> SessionDocument:
-    """A validated export (one of format 1 upgraded first), or ValueError with what is wrong (the first few
+    """A validated export (one of an older format upgraded first), or ValueError with what is wrong (the first few
     problems, by location)."""
     try:
         if not isinstance(raw, dict):

@@ -1,9 +1,12 @@
 """The diagnostics on hand-made traces and events, where the right answer is known."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from qevict_core import diagnostics as dg
+from qevict_core.events import RoutingEvent
 
 SINKS, OMEGA, PROMPT = 2, 4, 18  # windows 0..3 cover positions 2..17
 
@@ -19,9 +22,10 @@ def trace_attending(target_positions, total=30, decode=12):
     return dg.LayerTrace(heads=rows[None], prefill_mass=prefill)
 
 
-def event(seen, recent_start, full, quantized, scores=None):
-    return {"seen": seen, "recent_start": recent_start, "full": full, "quantized": quantized, "promoted": [],
-            "demoted": [], "evicted": [], "scores": scores or {}}
+def event(seen, recent_start, full, quantized, scores=None, head=None):
+    return RoutingEvent(lane="q", step=seen - PROMPT, layer=0, seen=seen, recent_start=recent_start, sinks=SINKS,
+                        omega=OMEGA, full=full, quantized=quantized, promoted=[], demoted=[], evicted=[],
+                        scores=scores or {}, head=head)
 
 
 def test_future_missed_mass_counts_attention_on_evicted_windows():
@@ -29,12 +33,12 @@ def test_future_missed_mass_counts_attention_on_evicted_windows():
     kept_all = event(PROMPT, 18, full=[0, 1, 2], quantized=[3])
     evicted_2 = event(PROMPT, 18, full=[0, 1], quantized=[3])
     quantized_2 = event(PROMPT, 18, full=[0, 1], quantized=[2, 3])
-    assert dg.future_missed_mass(trace, [kept_all], PROMPT, SINKS, OMEGA, horizon=4)[0][1] == 0.0
+    assert dg.future_missed_mass(trace, [kept_all], PROMPT, horizon=4)[0][1] == 0.0
     # The next 4 queries: 0.5 on window 2 each, 0.5 on themselves (positions that did not exist yet -> excluded).
-    assert dg.future_missed_mass(trace, [evicted_2], PROMPT, SINKS, OMEGA, horizon=4)[0][1] == pytest.approx(1.0)
-    missed = dg.future_missed_mass(trace, [quantized_2], PROMPT, SINKS, OMEGA, horizon=4, include_quantized=False)
+    assert dg.future_missed_mass(trace, [evicted_2], PROMPT, horizon=4)[0][1] == pytest.approx(1.0)
+    missed = dg.future_missed_mass(trace, [quantized_2], PROMPT, horizon=4, include_quantized=False)
     assert missed[0][1] == pytest.approx(1.0)
-    assert dg.future_missed_mass(trace, [quantized_2], PROMPT, SINKS, OMEGA, horizon=4)[0][1] == 0.0
+    assert dg.future_missed_mass(trace, [quantized_2], PROMPT, horizon=4)[0][1] == 0.0
 
 
 def test_future_missed_mass_is_per_head_then_averaged():
@@ -49,7 +53,7 @@ def test_future_missed_mass_is_per_head_then_averaged():
     heads[1, :, 10] = 0.05
     trace = dg.LayerTrace(heads=heads, prefill_mass=torch.ones(total))
     evicted_2 = event(PROMPT, 18, full=[0, 1], quantized=[3])
-    fmm = dg.future_missed_mass(trace, [evicted_2], PROMPT, SINKS, OMEGA, horizon=4)[0][1]
+    fmm = dg.future_missed_mass(trace, [evicted_2], PROMPT, horizon=4)[0][1]
     assert fmm == pytest.approx((1.0 + 0.05 / 0.5) / 2)  # 0.55; the head-averaged trace would give 1.05/1.5 = 0.7
 
 
@@ -57,20 +61,20 @@ def test_churn_is_over_every_retained_historical_window():
     # Window 4 leaves the recent region at the second event and is kept: Eq. 14 counts it (the old restriction
     # to windows historical at the first event gave 0 here).
     events = [event(22, 18, full=[0], quantized=[1]), event(26, 22, full=[0, 4], quantized=[1])]
-    assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 3)]
+    assert dg.selection_churn(events) == [pytest.approx(1 - 2 / 3)]
 
 
 def test_churn_tier_mass_and_score_agreement():
     trace = trace_attending([10, 11])
     events = [event(22, 18, full=[2], quantized=[0, 1]), event(26, 22, full=[2], quantized=[0, 3])]
-    assert dg.selection_churn(events, SINKS, OMEGA) == [pytest.approx(1 - 2 / 4)]  # {0,1,2} vs {0,2,3}
-    mass = dg.tier_mass(trace, events[:1], PROMPT, SINKS, OMEGA, num_windows=7)
+    assert dg.selection_churn(events) == [pytest.approx(1 - 2 / 4)]  # {0,1,2} vs {0,2,3}
+    mass = dg.tier_mass(trace, events[:1], PROMPT)
     # At 22 tokens: 18 prompt rows + 4 decode rows of mass 1. Over the windows (positions 2-21; the sinks' 2 are no
     # window): window 2 holds 4 + 4*0.5, windows 0-1 hold 8, the recent region 4*0.5, the evicted window 3 holds 4.
     assert mass == pytest.approx({"full": 6 / 20, "quantized": 8 / 20, "local": 2 / 20, "evicted": 4 / 20})
     reference = dg.reference_scores(trace, PROMPT, 22, SINKS, OMEGA, 7)
     own = {0: float(reference[0]) * 2, 1: float(reference[1]) * 2}  # proportional: cosine 1, mass ratio 2
-    qsa, r_q = dg.quantized_score_agreement(trace, [event(22, 18, [2], [0, 1], own)], PROMPT, SINKS, OMEGA, 7)
+    qsa, r_q = dg.quantized_score_agreement(trace, [event(22, 18, [2], [0, 1], own)], PROMPT, 7)
     assert qsa == [pytest.approx(1.0)] and r_q == [pytest.approx(2.0)]
 
 
@@ -80,11 +84,11 @@ def test_quantized_score_agreement_on_the_decode_interval():
     # Four decode rows later FullKV's decode-interval mass is 2.0 on window 2 and 0 on window 3; the policy's own
     # scores grew by 1.0 on window 2 and 0.5 on window 3.
     later = event(22, 18, full=[], quantized=[2, 3], scores={2: 6.0, 3: 7.5})
-    qsa, r_q = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, SINKS, OMEGA, 7, decode_only=True)
+    qsa, r_q = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, 7, decode_only=True)
     assert qsa == [pytest.approx(1.0 / (1.0 ** 2 + 0.5 ** 2) ** 0.5)]  # cos((1, 0.5), (2, 0))
     assert r_q == [pytest.approx(1.5 / 2.0)]
     # On cumulative scores the shared prompt mass (4 per window) dominates and hides the disagreement.
-    qsa_all, _ = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, SINKS, OMEGA, 7)
+    qsa_all, _ = dg.quantized_score_agreement(trace, [prefill, later], PROMPT, 7)
     assert qsa_all[1] > 0.95 > qsa[0]
 
 
@@ -111,13 +115,12 @@ def test_a_run_routed_per_kv_head_is_scored_against_each_heads_own_query_group()
     heads[0, :, 10] = 1.0  # window 2
     heads[1, :, 3] = 1.0  # window 0
     trace = dg.LayerTrace(heads=heads, prefill_mass=torch.ones(total), prefill_heads=torch.ones(2, total))
-    per_head = [{**event(PROMPT, 18, full=[2], quantized=[]), "head": 0},
-                {**event(PROMPT, 18, full=[0], quantized=[]), "head": 1}]
-    result = dg.diagnose([trace], {0: per_head}, PROMPT, SINKS, OMEGA, num_windows=7, k_full=1, horizon=4)
+    per_head = [event(PROMPT, 18, full=[2], quantized=[], head=0), event(PROMPT, 18, full=[0], quantized=[], head=1)]
+    result = dg.diagnose([trace], {0: per_head}, PROMPT, num_windows=7, k_full=1, horizon=4)
     assert result["fmm"] == 0.0
     assert trace.group(1, 2).heads.equal(heads[1:]) and trace.group(1, 2).prefill_mass.equal(torch.ones(total))
-    swapped = [{**per_head[0], "head": 1}, {**per_head[1], "head": 0}]
-    assert dg.diagnose([trace], {0: swapped}, PROMPT, SINKS, OMEGA, num_windows=7, k_full=1,
+    swapped = [replace(per_head[0], head=1), replace(per_head[1], head=0)]
+    assert dg.diagnose([trace], {0: swapped}, PROMPT, num_windows=7, k_full=1,
                        horizon=4)["fmm"] == pytest.approx(1.0)
 
 
@@ -132,5 +135,5 @@ def test_tier_mass_is_per_head_then_averaged_and_leaves_the_sinks_out():
     heads[1, :, 0:2] = 0.25  # the sinks
     heads[1, :, 6:10] = 0.125  # window 1
     trace = dg.LayerTrace(heads=heads, prefill_mass=torch.zeros(total), prefill_heads=torch.zeros(2, total))
-    mass = dg.tier_mass(trace, [event(22, 18, full=[], quantized=[0])], PROMPT, SINKS, OMEGA, num_windows=7)
+    mass = dg.tier_mass(trace, [event(22, 18, full=[], quantized=[0])], PROMPT)
     assert mass == pytest.approx({"full": 0.0, "quantized": 0.5, "local": 0.0, "evicted": 0.5})

@@ -11,14 +11,19 @@ from sqlalchemy.exc import StatementError
 from qevict_core import QEvictConfig
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
+from storage.migrate import FORMAT
 from storage.schema import parse_document
 
 REQUEST = {"model": "tiny", "lanes": [{"name": "fullkv", "method": "fullkv", "config": QEvictConfig().to_dict()},
                                       {"name": "qevict", "method": "qevict", "config": QEvictConfig().to_dict()}],
            "config": QEvictConfig().to_dict(), "sampling": {"max_new_tokens": 8, "temperature": 0.0, "seed": 0},
            "prompt_length": 3, "prompt_tokens": ["a", "b", "c"], "prompt_span": [0, 3]}
+GRID = {"sinks": QEvictConfig().sinks, "omega": QEvictConfig().omega}
+ROUTING = {"kind": "routing", "lane": "qevict", "step": 4, "layer": 0, "head": None, "seen": 7, "recent_start": 7,
+           **GRID, "full": [], "quantized": [0], "promoted": [], "demoted": [], "evicted": [],
+           "admitted": {"0": "quantized"}, "scores": {"0": 0.5}}
 EVENTS = [{"kind": "token", "lane": lane, "step": i, "token_id": i, "text": f"t{i}", "seconds": 0.1}
-          for i in range(5) for lane in ("fullkv", "qevict")]
+          for i in range(5) for lane in ("fullkv", "qevict")] + [ROUTING]
 
 
 @pytest.fixture
@@ -27,7 +32,7 @@ def store(database_url):
 
 
 def export_doc(**session_changes):
-    return {"format": "qevict-session/2", "session": {"prompt": "a prompt", "request": copy.deepcopy(REQUEST),
+    return {"format": FORMAT, "session": {"prompt": "a prompt", "request": copy.deepcopy(REQUEST),
                                                        **session_changes}, "events": copy.deepcopy(EVENTS)}
 
 
@@ -44,7 +49,7 @@ def test_save_load_export_import_round_trip(store):
     store.append(sid, EVENTS[3:])
     store.finish(sid, "done", {"lanes": {}})
     assert store.events(sid) == EVENTS
-    assert store.events(sid, upto_step=1) == EVENTS[:4]
+    assert store.events(sid, upto_step=1) == [e for e in EVENTS if e["step"] <= 1]
     exported = json.loads(json.dumps(store.export(sid)))
     new_id, new_token = store.import_session(json.dumps(exported).encode())
     assert new_id != sid and new_token != token
@@ -178,6 +183,12 @@ OLD_REQUEST = {**REQUEST, "config": OLD_FORM,
                "lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "qevict_cover", "method": "qevict_cover"}]}
 
 
+def old_events():
+    """EVENTS as format 1 stored them: the retired lane name, routing events without their grid."""
+    renamed = [{**e, "lane": e["lane"].replace("qevict", "qevict_cover")} for e in EVENTS]
+    return [{k: v for k, v in e.items() if k not in GRID} if e["kind"] == "routing" else e for e in renamed]
+
+
 def assert_upgraded(request):
     fullkv, cover = request["lanes"]
     assert request["config"]["kv_dtype"] == "model"  # what those runs stored keys and values in
@@ -198,8 +209,8 @@ def test_an_old_database_is_migrated_once(tmp_path):
         conn.execute(text("UPDATE sessions SET request = '{not json' WHERE id = 'broken'"))
         conn.execute(EventRow.__table__.insert(), [{"session_id": "old", "seq": i, "step": e["step"],
                                                     "lane": e["lane"].replace("qevict", "qevict_cover"),
-                                                    "kind": e["kind"], "payload": {**e, "lane": e["lane"].replace(
-                                                        "qevict", "qevict_cover")}} for i, e in enumerate(EVENTS)])
+                                                    "kind": e["kind"], "payload": e}
+                                                   for i, e in enumerate(old_events())])
     store = SessionStore(engine)
     with pytest.raises(ValueError):  # before: today's schema cannot read it
         parse_document(store.export("old"))
@@ -207,13 +218,28 @@ def test_an_old_database_is_migrated_once(tmp_path):
     assert store.migrate() == 0  # idempotent
     assert_upgraded(store.get("old")["request"])
     assert store.get("new")["request"] == REQUEST
+    assert store.events("old")[-1] == {**ROUTING, "lane": "qevict_cover"}  # the lane's grid, from its config
     parse_document(store.export("old"))  # replayable: it fits today's schema whole
 
 
 def test_a_format_1_export_is_imported_in_the_current_shape(store):
-    doc = {"format": "qevict-session/1", "session": {"prompt": "p", "request": OLD_REQUEST},
-           "events": [{**e, "lane": e["lane"].replace("qevict", "qevict_cover")} for e in EVENTS]}
+    doc = {"format": "qevict-session/1", "session": {"prompt": "p", "request": OLD_REQUEST}, "events": old_events()}
     new_id, _ = store.import_session(json.dumps(doc))
     exported = store.export(new_id)
-    assert exported["format"] == "qevict-session/2"
+    assert exported["format"] == FORMAT
     assert_upgraded(exported["session"]["request"])
+    assert exported["events"][-1] == {**ROUTING, "lane": "qevict_cover"}
+
+
+def test_a_format_2_export_gets_its_routing_grid_from_its_lanes(store):
+    doc = export_doc()
+    doc["format"], doc["events"][-1] = "qevict-session/2", {k: v for k, v in ROUTING.items() if k not in GRID}
+    assert store.export(store.import_session(json.dumps(doc))[0])["events"] == EVENTS
+
+
+def test_a_routing_event_on_another_grid_than_its_lane_is_refused(store):
+    doc = export_doc()
+    doc["events"][-1] = {**ROUTING, "omega": GRID["omega"] + 1}
+    with pytest.raises(ValueError, match="window grid"):
+        store.import_session(json.dumps(doc))
+    assert count_rows(store) == (0, 0)

@@ -17,6 +17,14 @@ from ui.form import NO_LANE, parse_request
 from ui.studio import Studio, diagnose_session, progress_text
 from ui.handlers import picker_index
 from ui.view import RunView
+from qevict_core.events import event_from_dict
+
+def feed(view, data):
+    """Fold a hand-written event into ``view``, a routing event on its lane's grid."""
+    if data["kind"] == "routing":
+        data = {"sinks": view.sinks(data["lane"]), "omega": view.omega(data["lane"]), **data}
+    return view.apply(event_from_dict(data))
+
 
 SETTINGS = dict(budget=0.3, omega=8, q_frac=0.7, bits=2, sinks=5, recent=32, scorer="cumulative", promotion=True)
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?"
@@ -300,13 +308,14 @@ def test_lane_cards_point_at_the_result():
                     "config": {"sinks": 2, "omega": 4}, "sampling": {"max_new_tokens": 3}, "expected": "42"})
     for lane, pieces in (("fullkv", [" 4", "2", "."]), ("snapkv", [" 4", "1", "."])):
         for step, piece in enumerate(pieces):
-            view.apply({"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
+            feed(view, {"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
                         "seconds": 0.1})
     html = cards.lanes_html(view)
     # found the moment it is there; missing is only a verdict once the lane has ended
     assert '<span class="qe-verdict qe-answer qe-good">✓ found the answer “42”</span>' in html
     assert '<span class="qe-verdict qe-answer qe-pending">… looking for “42”</span>' in html and "✗" not in html
-    view.apply({"kind": "done", "lane": "snapkv", "step": 2, "reason": "length", "text": " 41."})
+    feed(view, {"kind": "done", "lane": "snapkv", "step": 2, "reason": "length", "text": " 41.", "tokens": 3,
+                "prefill_seconds": 0.1, "decode_seconds": 0.2})
     assert '<span class="qe-verdict qe-answer qe-bad">✗ missed the answer “42”</span>' in cards.lanes_html(view)
     # agreement with FullKV is a pill of its own, amber, never the answer's red
     assert '<span class="qe-verdict qe-agree qe-differs">same as FullKV for the first token' in html
@@ -322,9 +331,10 @@ def test_lane_cards_point_at_the_result():
 def test_a_lane_cut_short_is_neither_found_nor_missed(reason, status, words):
     view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 9}, "expected": "42"}, status)
-    view.apply({"kind": "token", "lane": "q", "step": 0, "token_id": 7, "text": "The", "seconds": 0.1})
+    feed(view, {"kind": "token", "lane": "q", "step": 0, "token_id": 7, "text": "The", "seconds": 0.1})
     if reason:
-        view.apply({"kind": "done", "lane": "q", "step": 0, "reason": reason, "text": "The"})
+        feed(view, {"kind": "done", "lane": "q", "step": 0, "reason": reason, "text": "The", "tokens": 1,
+                    "prefill_seconds": 0.1, "decode_seconds": 0.0})
     assert words in cards.lanes_html(view) and "✗" not in cards.lanes_html(view)
 
 
@@ -334,10 +344,10 @@ def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
     pieces[22] = "291. "
     view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": pieces, "expected": "4738291"})
-    view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 26,
+    feed(view, {"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 26,
                 "full": [0, 1], "quantized": [4, 5], "promoted": [], "demoted": [], "evicted": [2, 3],
                 "scores": {}})
-    view.apply({"kind": "routing", "lane": "q", "step": 4, "layer": 0, "seen": 34, "recent_start": 30,
+    feed(view, {"kind": "routing", "lane": "q", "step": 4, "layer": 0, "seen": 34, "recent_start": 30,
                 "full": [1, 4], "quantized": [0, 5, 6], "promoted": [4], "demoted": [0], "evicted": [2, 3],
                 "scores": {}})
     assert view.answer_windows("q") == {"4738291": [4, 5]}  # tokens 21-22, windows (21-2)//4 and (22-2)//4
@@ -353,10 +363,10 @@ def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
 def test_tier_map_codes_and_moves_follow_the_events():
     view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
-    view.apply({"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 18,
+    feed(view, {"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 18,
                 "full": [0, 2], "quantized": [1], "promoted": [], "demoted": [], "evicted": [3],
                 "scores": {"0": 1.0, "1": 0.5, "2": 0.9, "3": 0.1, "4": 0.2}})
-    view.apply({"kind": "routing", "lane": "q", "step": 8, "layer": 0, "seen": 38, "recent_start": 26,
+    feed(view, {"kind": "routing", "lane": "q", "step": 8, "layer": 0, "seen": 38, "recent_start": 26,
                 "full": [1, 2], "quantized": [0, 4], "promoted": [1], "demoted": [0], "evicted": [3, 5],
                 "scores": {"0": 1.0, "1": 2.5, "2": 0.9, "4": 0.2}})
     fig = plots.tier_map(view, "q", 0)
@@ -386,7 +396,7 @@ def test_a_round_trip_stays_listed_however_many_moves_follow():
                     "sampling": {"max_new_tokens": 200}, "prompt_tokens": [str(i % 10) for i in range(60)]})
 
     def route(step, promoted=(), demoted=()):
-        view.apply({"kind": "routing", "lane": "q", "step": step, "layer": 0, "seen": 60 + step,
+        feed(view, {"kind": "routing", "lane": "q", "step": step, "layer": 0, "seen": 60 + step,
                     "recent_start": 48 + step, "full": [], "quantized": [], "promoted": list(promoted),
                     "demoted": list(demoted), "evicted": [], "scores": {"0": 1.0}})
 
@@ -416,7 +426,7 @@ def test_a_lane_routed_per_kv_head_shows_the_picked_head():
     view = RunView({"lanes": [{"name": "h", "method": "qevict_head", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
                     "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
     for head, (full, quantized, promoted) in enumerate([([0], [1], []), ([2], [0], [2])]):
-        view.apply({"kind": "routing", "lane": "h", "step": 8, "layer": 0, "head": head, "seen": 30,
+        feed(view, {"kind": "routing", "lane": "h", "step": 8, "layer": 0, "head": head, "seen": 30,
                     "recent_start": 18, "full": full, "quantized": quantized, "promoted": promoted, "demoted": [],
                     "evicted": [], "scores": {"0": 1.0 + head, "1": 0.5, "2": 0.9}})
     codes = plots.TIER_CODES
@@ -436,9 +446,9 @@ def test_a_lane_routed_per_kv_head_shows_the_picked_head():
 def test_a_qevict_head_run_is_stored_replayed_and_diagnosed_per_head(studio):
     final = list(studio.run(request(methods=("fullkv", "qevict_head"), max_new=32)))[-1]
     view, _, _ = studio.replay(final.session_id, None)
-    heads = {e.get("head") for events in view.routing["qevict_head"].values() for e in events}
+    heads = {e.head for events in view.routing["qevict_head"].values() for e in events}
     assert heads == set(range(studio.num_kv_heads))
-    assert view.layer_events("qevict_head", 0, 1) and all(e["head"] == 1
+    assert view.layer_events("qevict_head", 0, 1) and all(e.head == 1
                                                           for e in view.layer_events("qevict_head", 0, 1))
     row = next(line for line in diagnose_session(studio, final.session_id).splitlines()
                if line.startswith("| qevict_head |"))
@@ -459,20 +469,20 @@ def test_each_lane_is_drawn_with_the_configuration_it_ran_with(studio):
             events = view.layer_events(lane, 0)
             assert events, lane
             last = events[-1]
-            windows = (last["seen"] - 1 - view.sinks(lane)) // omega + 1
+            windows = (last.seen - 1 - view.sinks(lane)) // omega + 1
             fig = plots.tier_map(view, lane, 0)
             assert len(fig.data[0].z) == windows and fig.layout.yaxis.title.text == f"window ({omega} tokens)"
             # every window the lane kept is drawn in its tier at the last event
             column = [row[-1] for row in fig.data[0].z]
-            assert all(column[w] == plots.TIER_CODES["full"] for w in last["full"] if w < windows)
-            assert all(column[w] == plots.TIER_CODES["quantized"] for w in last["quantized"] if w < windows)
+            assert all(column[w] == plots.TIER_CODES["full"] for w in last.full if w < windows)
+            assert all(column[w] == plots.TIER_CODES["quantized"] for w in last.quantized if w < windows)
             heat = plots.score_heatmap(view, lane)
-            x, largest = list(heat.data[0].x), max(map(int, last["scores"]))
+            x, largest = list(heat.data[0].x), max(last.scores)
             width = x[1] - x[0] if len(x) > 1 else 1  # r1's ~1,400 windows are drawn two per column
             assert width == (1 if lane != "r1" else 2) and x[-1] <= largest < x[-1] + width
             # a column shows the largest score of its windows
             drawn = [v for v in heat.data[0].z[0] if v is not None]
-            assert max(drawn) == round(max(v for v in last["scores"].values() if v is not None), 3)
+            assert max(drawn) == round(max(v for v in last.scores.values() if v is not None), 3)
         # the prompt colouring groups tokens by each lane's own Ω: a window's tokens share its tier
         assert cards.prompt_html(view, "r1", 0) != cards.prompt_html(view, "qevict_omega16", 0)
     row = {line.split("|")[1].strip(): line for line in diagnose_session(studio, final.session_id).splitlines()
@@ -515,7 +525,7 @@ def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(stud
     view = RunView({"lanes": [{"name": "r", "method": "r1", "config": {"sinks": 0, "omega": 1}}], "config": {"sinks": 0, "omega": 1},
                     "sampling": {"max_new_tokens": steps}, "prompt_tokens": ["a"] * (windows - steps)})
     for step in range(steps):
-        view.apply({"kind": "routing", "lane": "r", "step": step, "layer": 0, "seen": windows - steps + step + 1,
+        feed(view, {"kind": "routing", "lane": "r", "step": step, "layer": 0, "seen": windows - steps + step + 1,
                     "recent_start": windows - steps + step - 31, "full": list(range(0, 2000, 3)),
                     "quantized": [], "promoted": [step], "demoted": [], "evicted": [],
                     "scores": {str(w): float(w % 7) for w in range(0, windows, 97)}})
@@ -556,7 +566,7 @@ def test_the_time_left_follows_the_latest_steps_not_the_first():
                     "sampling": {"max_new_tokens": 200}, "prompt_length": 10})
     # the prompt, a slow first decode step (warm-up), then steady 0.5 s steps
     for step, seconds in enumerate([30.0, 20.0] + [0.5] * 20):
-        view.apply({"kind": "token", "lane": "qevict", "step": step, "token_id": 1, "text": "a", "seconds": seconds})
+        feed(view, {"kind": "token", "lane": "qevict", "step": step, "token_id": 1, "text": "a", "seconds": seconds})
     text = progress_text(Update(view, "s", "t", False, "running"), None)
     # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
     assert text == "**Generating…** token 22 of at most 200, about 89 s left at this run's pace.", text

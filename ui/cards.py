@@ -6,7 +6,9 @@ from __future__ import annotations
 import html
 import re
 
-from .view import LaneView, RunView, window_tier
+from qevict_core.events import RoutingEvent
+
+from .view import LaneView, RunView
 
 TIER_COLORS = {"sink": "#6b7280", "recent": "#3b82f6", "full": "#16a34a", "quantized": "#f59e0b",
                "evicted": "#ef4444"}
@@ -109,18 +111,16 @@ def prompt_html(view: RunView, lane: str | None, layer: int, head: int = 0) -> s
     start, stop = view.request.get("prompt_span") or (0, len(pieces))
     events = view.layer_events(lane, layer, head) if lane else []
     event = events[-1] if events else None
-    if event is not None:
-        event = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
-    grid = view.grid(lane)
+    grid = event.grid if event is not None else view.grid(lane)
     sinks = grid.sinks
+    windows = range(grid.window_of(max(start, sinks)), grid.window_of(max(stop, sinks + 1) - 1) + 1)
+    window_tiers = dict(zip(windows, event.tiers(windows))) if event is not None else {}
     spans, current, run = [], None, []
     for position in range(start, stop):
         if position < sinks:
             tier = "sink"
-        elif event is None:
-            tier = "recent"
         else:
-            tier = window_tier(event, grid.window_of(position), grid) or "recent"
+            tier = window_tiers.get(grid.window_of(position)) or "recent"
         if tier != current and run:
             spans.append(_span(current, run))
             run = []
@@ -143,14 +143,14 @@ def _span(tier: str, pieces: list[str]) -> str:
     return f'<span title="{TIER_WORDS[tier]}" style="background:{TIER_COLORS[tier]}33">{_esc("".join(pieces))}</span>'
 
 
-def round_trips(events: list[dict]) -> list[tuple[int, int, int]]:
+def round_trips(events: list[RoutingEvent]) -> list[tuple[int, int, int]]:
     """(window, step demoted, step promoted back) for each window that decoding demoted and later promoted: the
     event the method exists for, kept apart so that later moves never push it out of the list."""
     demoted_at, trips = {}, []
     for event in events:
-        if event["step"] > 0:
-            trips += [(w, demoted_at.pop(w), event["step"]) for w in event["promoted"] if w in demoted_at]
-            demoted_at.update({w: event["step"] for w in event["demoted"]})
+        if event.step > 0:
+            trips += [(w, demoted_at.pop(w), event.step) for w in event.promoted if w in demoted_at]
+            demoted_at.update({w: event.step for w in event.demoted})
     return trips
 
 
@@ -158,7 +158,7 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
     """The round trips and the latest promotions and demotions of ``layer`` (and ``head``) in words, with the text
     of each window."""
     events = view.layer_events(lane, layer, head) if lane else []
-    grid = view.grid(lane)
+    grid = events[-1].grid if events else view.grid(lane)
 
     def window_words(window: int) -> str:
         first, last = grid.start(window), grid.start(window + 1) - 1
@@ -171,12 +171,12 @@ def moves_html(view: RunView, lane: str | None, layer: int, head: int = 0, limit
     trips = f'Round trips (demoted, then promoted back):<ul class="qe-trips">{trips}</ul>' if trips else ""
     lines = []
     for event in reversed(events):
-        for window, move in ([(w, "promoted: low-bit → full precision") for w in event["promoted"]]
-                             + [(w, "demoted: full precision → low-bit") for w in event["demoted"]]):
-            lines.append(f"<li>step {event['step']}: {window_words(window)} {move}</li>")
-        if event["evicted"]:
-            lines.append(f"<li>step {event['step']}: {len(event['evicted'])} window(s) evicted for good "
-                         f"({', '.join(map(str, event['evicted'][:8]))}{'…' if len(event['evicted']) > 8 else ''})"
+        for window, move in ([(w, "promoted: low-bit → full precision") for w in event.promoted]
+                             + [(w, "demoted: full precision → low-bit") for w in event.demoted]):
+            lines.append(f"<li>step {event.step}: {window_words(window)} {move}</li>")
+        if event.evicted:
+            lines.append(f"<li>step {event.step}: {len(event.evicted)} window(s) evicted for good "
+                         f"({', '.join(map(str, event.evicted[:8]))}{'…' if len(event.evicted) > 8 else ''})"
                          f"</li>")
         if len(lines) >= limit:
             break

@@ -106,13 +106,11 @@ def time_lanes(model, job: TimingJob) -> dict[str, dict[str, float]]:
 @dataclass(frozen=True)
 class LaneDiagnosis:
     """What the diagnostics need of one routed lane: its sequence (prompt + its tokens but the last), its routing
-    events by layer, and its grid."""
+    events by layer (each with its grid), and its number of windows."""
 
     name: str
     sequence: tuple[int, ...]
     routing: dict
-    sinks: int
-    omega: int
     num_windows: int
     k_full: int
 
@@ -131,8 +129,7 @@ def diagnose(model, lanes: tuple[LaneDiagnosis, ...], prompt_len: int) -> dict[s
     for lane in lanes:
         try:
             traces = dg.reference_traces(model, torch.tensor([lane.sequence], device=device), prompt_len)
-            out[lane.name] = dg.diagnose(traces, lane.routing, prompt_len, lane.sinks, lane.omega, lane.num_windows,
-                                         lane.k_full)
+            out[lane.name] = dg.diagnose(traces, lane.routing, prompt_len, lane.num_windows, lane.k_full)
         except (ValueError, IndexError, KeyError, RuntimeError) as err:  # a stored run this model cannot redo
             out[lane.name] = f"{type(err).__name__}: {str(err)[:200]}"
     return out

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .cards import TIER_COLORS
-from .view import RunView, window_tier
+from .view import RunView
 
 TIER_CODES = {None: 0, "recent": 1, "full": 2, "quantized": 3, "evicted": 4}
 TIER_NAMES = ["not yet", "recent", "full precision", "low-bit", "evicted"]
@@ -54,8 +54,8 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     events = view.layer_events(lane, layer, head) if lane else []
     if not events:
         return empty_figure("The tier map appears at the first routing event of a QEvict lane.")
-    grid = view.grid(lane)
-    n_windows = max(1, grid.window_of(events[-1]["seen"] - 1) + 1)
+    grid = events[-1].grid
+    n_windows = max(1, grid.window_of(events[-1].seen - 1) + 1)
     shown = _spaced(len(events), MAX_EVENTS_DRAWN)  # indices of the events drawn, the last one included
     every = max(1, -(-n_windows * len(shown) // MAX_CELLS))  # draw every k-th window
     rows = range(0, n_windows, every)
@@ -63,17 +63,16 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     promoted, demoted = ([], []), ([], [])
     for col, index in enumerate(shown):
         event = events[index]
-        compact = {**event, "full": set(event["full"]), "quantized": set(event["quantized"])}
-        for row, w in enumerate(rows):
-            z[row][col] = TIER_CODES[window_tier(compact, w, grid)]
-        for w in event["promoted"]:
+        for row, tier in enumerate(event.tiers(rows)):
+            z[row][col] = TIER_CODES[tier]
+        for w in event.promoted:
             promoted[0].append(col), promoted[1].append(w)
-        for w in event["demoted"]:
+        for w in event.demoted:
             demoted[0].append(col), demoted[1].append(w)
     events = [events[i] for i in shown]
     colors = ["#ffffff", TIER_COLORS["recent"], TIER_COLORS["full"], TIER_COLORS["quantized"], TIER_COLORS["evicted"]]
     scale = [[bound, color] for i, color in enumerate(colors) for bound in (i / 5, (i + 1) / 5)]
-    steps = [e["step"] for e in events]
+    steps = [e.step for e in events]
     fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), y=list(rows), colorscale=scale, zmin=-0.5, zmax=4.5,
                                showscale=False, customdata=[[TIER_NAMES[c] for c in row] for row in z],
                                hovertemplate="event %{x}, window %{y}: %{customdata}<extra></extra>"))
@@ -117,15 +116,15 @@ def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
     latest = {layer: events[-1] for layer, events in layers.items() if events}
     if not latest:
         return empty_figure("Cumulative scores appear at the first routing event of a QEvict lane.")
-    per_head = any(e.get("head") is not None for e in latest.values())
-    n_windows = 1 + max((max(map(int, e["scores"]), default=0) for e in latest.values()), default=0)
+    per_head = any(e.head is not None for e in latest.values())
+    n_windows = 1 + max((max(e.scores, default=0) for e in latest.values()), default=0)
     rows = sorted(latest)
     width = max(1, -(-n_windows // max(1, min(MAX_WINDOWS_DRAWN, MAX_CELLS // len(rows)))))  # windows per column
     z = []
     for layer in rows:
         line: list[float | None] = [None] * (-(-n_windows // width))
-        for key, value in latest[layer]["scores"].items():
-            column = int(key) // width
+        for window, value in latest[layer].scores.items():
+            column = window // width
             if value is not None and (line[column] is None or value > line[column]):
                 line[column] = value  # a column of several windows shows the largest score among them
         z.append([None if v is None else round(v, 3) for v in line])

@@ -18,6 +18,7 @@ import torch
 
 from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, make_cache
 from qevict_core.config import BITS, SCORERS
+from qevict_core.events import Event, event_from_dict
 from qevict_core.registry import METHODS
 from storage import SessionStore
 from storage.schema import parse_stored
@@ -182,7 +183,7 @@ class Studio:
                 if should_stop() and not os.path.exists(stop_file):
                     open(stop_file, "w").close()  # the job stops after the step in flight
                 for data in batch:
-                    routing_changed |= view.apply(data)
+                    routing_changed |= view.apply(event_from_dict(data))
                 self.store.append(session_id, batch)
                 step = batch[-1]["step"]
                 if all(lane.done or len(lane.tokens) > step for lane in view.lanes.values()):
@@ -203,8 +204,8 @@ class Studio:
             self.store.finish(session_id, status if status != "running" else "stopped", summarize(view))
         yield Update(view, session_id, token, True, status, message)
 
-    def load(self, session_id: str) -> tuple[dict, list[dict]]:
-        """A stored session, checked against the schema -> (meta, events); LookupError when missing, ValueError
+    def load(self, session_id: str) -> tuple[dict, list[Event]]:
+        """A stored session, checked against the schema -> (meta, typed events); LookupError when missing, ValueError
         when malformed, so one bad row is a message on its own page and nothing else. The replay slider reloads
         at every step: sessions are kept validated until they change."""
         try:
@@ -224,7 +225,7 @@ class Studio:
         except ValueError as err:
             raise ValueError(f"Session `{session_id}` is stored in a form this studio cannot show ({err}).") from None
         meta = {**meta, "request": request.model_dump(mode="json")}
-        events = [event.model_dump(mode="json") for event in parsed]
+        events = [event_from_dict(event.model_dump(mode="json")) for event in parsed]
         with self._lock:
             self._loaded[session_id] = (version, meta, events)
             while len(self._loaded) > 8:
@@ -255,9 +256,9 @@ class Studio:
         """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""
         meta, events = self.load(session_id)
         view = RunView(meta["request"], meta["status"])
-        last = max((e["step"] for e in events), default=0)
+        last = max((e.step for e in events), default=0)
         for event in events:
-            if step is None or event["step"] <= step:
+            if step is None or event.step <= step:
                 view.apply(event)
         return view, last, meta
 
@@ -320,10 +321,8 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
             problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
                             f"({vocab} ids): the run was made with another model.")
         else:
-            grid = view.grid(name)
             jobs.append(LaneDiagnosis(name, tuple(prompt[0].tolist() + lane.tokens[:-1]), view.routing[name],
-                                      grid.sinks, grid.omega, grid.count(max_length),
-                                      int(lane.summary.get("k_full", 1))))
+                                      view.grid(name).count(max_length), int(lane.summary.get("k_full", 1))))
     results = studio.diagnosed(tuple(jobs), prompt.shape[1]) if jobs else {}
     columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
     rows = ["| lane | " + " | ".join(columns) + " |", "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]

@@ -1,7 +1,7 @@
 """What a run looks like at some step, rebuilt from its event stream.
 
-Live runs and replays feed the same ``RunView`` with the same event dicts (the ones storage keeps), so a replay
-redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` and ``ui/cards.py`` draw it.
+Live runs and replays feed the same ``RunView`` with the same typed events (``qevict_core.events``; storage keeps
+their JSON form), so a replay redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` and ``ui/cards.py`` draw it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qevict_core.engine.layout import WindowGrid
-
+from qevict_core.events import Event, RoutingEvent
 
 
 @dataclass
@@ -57,7 +57,7 @@ class RunView:
         self.status = status  # the run's: running, done, stopped, error, interrupted (a crash or restart)
         self.lanes = {lane["name"]: LaneView(lane["name"], lane["method"], lane.get("note", ""))
                       for lane in request["lanes"]}
-        self.routing: dict[str, dict[int, list[dict]]] = {name: {} for name in self.lanes}
+        self.routing: dict[str, dict[int, list[RoutingEvent]]] = {name: {} for name in self.lanes}
         self.step = -1
 
     def config(self, lane: str | None) -> dict[str, Any]:
@@ -84,48 +84,46 @@ class RunView:
     def expected(self) -> str:
         return self.request.get("expected", "")
 
-    def apply(self, event: dict[str, Any]) -> bool:
+    def apply(self, event: Event) -> bool:
         """Fold one event in; True when it changes the routing figures."""
-        lane = self.lanes[event["lane"]]
-        kind = event["kind"]
-        self.step = max(self.step, int(event.get("step", 0)))
-        if kind == "token":
-            lane.tokens.append(event["token_id"])
-            lane.pieces.append(event["text"])
-            lane.text += event["text"]
+        lane = self.lanes[event.lane]
+        self.step = max(self.step, event.step)
+        if event.kind == "token":
+            lane.tokens.append(event.token_id)
+            lane.pieces.append(event.text)
+            lane.text += event.text
             if len(lane.tokens) == 1:
-                lane.prefill_seconds = event["seconds"]
+                lane.prefill_seconds = event.seconds
             else:
-                lane.decode_seconds += event["seconds"]
-                lane.step_seconds.append(event["seconds"])
-                alone = event.get("alone_seconds")
-                if alone is not None:
-                    lane.alone_seconds = (lane.alone_seconds or 0.0) + alone
-        elif kind == "memory":
-            lane.total_bytes, lane.fullkv_bytes = event["total_bytes"], event["fullkv_bytes"]
-            lane.budget_bytes, lane.peak_bytes = event["budget_bytes"], event["peak_bytes"]
-            lane.tiers = event.get("tiers") or {}
-            lane.history.append((int(event["step"]), event["components"], event["fullkv_bytes"]))
-        elif kind == "routing":
-            self.routing[lane.name].setdefault(event["layer"], []).append(event)
-            lane.promotions += len(event["promoted"])
-            lane.demotions += len(event["demoted"])
-            lane.evictions += len(event["evicted"])
+                lane.decode_seconds += event.seconds
+                lane.step_seconds.append(event.seconds)
+                if event.alone_seconds is not None:
+                    lane.alone_seconds = (lane.alone_seconds or 0.0) + event.alone_seconds
+        elif event.kind == "memory":
+            lane.total_bytes, lane.fullkv_bytes = event.total_bytes, event.fullkv_bytes
+            lane.budget_bytes, lane.peak_bytes = event.budget_bytes, event.peak_bytes
+            lane.tiers = event.tiers
+            lane.history.append((event.step, event.components, event.fullkv_bytes))
+        elif event.kind == "routing":
+            self.routing[lane.name].setdefault(event.layer, []).append(event)
+            lane.promotions += len(event.promoted)
+            lane.demotions += len(event.demoted)
+            lane.evictions += len(event.evicted)
             return True
-        elif kind == "done":
-            lane.done, lane.summary, lane.text = event["reason"], event.get("summary") or {}, event["text"]
+        elif event.kind == "done":
+            lane.done, lane.summary, lane.text = event.reason, event.summary, event.text
         return False
 
     def routed_lanes(self) -> list[str]:
         return [name for name, layers in self.routing.items() if layers]
 
-    def layer_events(self, lane: str, layer: int, head: int = 0) -> list[dict]:
+    def layer_events(self, lane: str, layer: int, head: int = 0) -> list[RoutingEvent]:
         """Routing events of ``layer``; for a lane routed per KV head (``qevict_head``), those of ``head``."""
-        return [e for e in self.routing.get(lane, {}).get(layer, []) if e.get("head") in (None, head)]
+        return [e for e in self.routing.get(lane, {}).get(layer, []) if e.head in (None, head)]
 
     def where(self, lane: str, layer: int, head: int = 0) -> str:
         """'layer 3', or 'layer 3, KV head 1' for a lane routed per head: what a routing figure shows."""
-        per_head = any(e.get("head") is not None for e in self.routing.get(lane, {}).get(layer, []))
+        per_head = any(e.head is not None for e in self.routing.get(lane, {}).get(layer, []))
         return f"layer {layer}, KV head {head}" if per_head else f"layer {layer}"
 
     def reference(self) -> LaneView | None:
@@ -175,16 +173,3 @@ class RunView:
         return "".join(prompt[i] if i < len(prompt) else own[i - len(prompt)]
                        for i in range(start, stop) if i < len(prompt) + len(own))
 
-
-def window_tier(event: dict, window: int, grid: WindowGrid) -> str | None:
-    """Tier of ``window`` after ``event`` (None: not created yet)."""
-    start = grid.start(window)
-    if start >= event["seen"]:
-        return None
-    if start >= event["recent_start"]:
-        return "recent"
-    if window in event["full"]:
-        return "full"
-    if window in event["quantized"]:
-        return "quantized"
-    return "evicted"

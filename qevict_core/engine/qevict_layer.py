@@ -297,7 +297,7 @@ class QEvictLayer(ReportingLayer):
         values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
         return RoutingEvent(
             lane="", step=self.owner.step, layer=self.layer_idx, head=self.head, seen=self.seen,
-            recent_start=self.recent_start,
+            recent_start=self.recent_start, sinks=self.grid.sinks, omega=self.grid.omega,
             full=full, quantized=quant,
             promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
             admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
