@@ -43,21 +43,18 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=0.4, help="the example's KV budget (it sets the form's)")
     add_model_args(parser)
     args = parser.parse_args(argv)
-    from qevict_core import QEvictConfig
     from storage import SessionStore, make_engine
     from ui.examples import needle_in_austen
-    from ui.form import parse_request
+    from ui.form import Controls, parse_request
     from ui.studio import Studio
 
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     studio = Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"])
-    d = QEvictConfig()
     for start in STARTS:
         for depth in DEPTHS:
             prompt = needle_in_austen(key=KEY, value=VALUE, start=start, depth=depth)
-            request = parse_request(prompt, ["fullkv", "snapkv", "qevict"], args.budget, d.omega, d.q_frac, d.bits,
-                                    d.sinks, d.recent, d.scorer, d.promotion, NEW_TOKENS, expected=VALUE,
-                                    coverage=d.coverage or 0.0)
+            request = parse_request(Controls(prompt=prompt, budget=args.budget, max_new_tokens=NEW_TOKENS,
+                                             expected=VALUE))
             view = list(studio.run(request))[-1].view
             found = {name: VALUE in lane.text for name, lane in view.lanes.items()}
             move = demoted_then_promoted(view, "qevict")

@@ -29,18 +29,17 @@ DEFAULT_LANES = ("fullkv", "snapkv", "qevict")
 
 def measure(handlers, prompt: str, expected: str, max_new_tokens: int) -> dict:
     """One run at the studio's defaults -> timings and what each lane showed."""
-    from qevict_core import QEvictConfig
+    from ui.form import Controls
+    from ui.outputs import Shown
 
-    d = QEvictConfig()
+    controls = Controls.lanes(list(DEFAULT_LANES), prompt=prompt, max_new_tokens=max_new_tokens, expected=expected)
     start, first, last = time.perf_counter(), None, None
-    for last in handlers.generate(prompt, *DEFAULT_LANES, d.budget, d.omega, d.q_frac, d.bits, d.sinks, d.recent,
-                                  d.scorer, d.promotion, max_new_tokens, 0.0, 0, handlers.layers // 2, expected, 0,
-                                  d.coverage or 0.0):
-        if first is None and last[0].startswith("**Generating"):
+    for last in handlers.generate(controls, Shown(layer=handlers.pickers.layers // 2)):
+        if first is None and last.status.startswith("**Generating"):
             first = time.perf_counter() - start
     total = time.perf_counter() - start
-    found, kv_percent = lanes_shown(last[1], expected)
-    return {"first_token_s": first, "total_s": total, "status": last[0], "found": found, "kv_percent": kv_percent}
+    found, kv_percent = lanes_shown(last.view.lanes, expected)
+    return {"first_token_s": first, "total_s": total, "status": last.status, "found": found, "kv_percent": kv_percent}
 
 
 def lanes_shown(cards_html: str, expected: str) -> tuple[dict, dict]:
@@ -108,16 +107,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from storage import SessionStore, make_engine
     from ui.examples import EXAMPLES
-    from ui.handlers import Handlers
+    from ui.control import TabRuns
+    from ui.run_tab import RunHandlers
     from ui.studio import Studio
 
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
-    handlers = Handlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]))
+    handlers = RunHandlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]), TabRuns())
     out = Path(args.out) / "studio_latency.jsonl"
     with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served:
         for round_ in range(args.rounds):
             for name in EXAMPLES:
-                prompt, expected, max_new_tokens, *_ = handlers.pick_example(name)  # what the picker fills in
+                example = handlers.pick_example(name)  # what the picker fills in
+                prompt, expected, max_new_tokens = example.prompt, example.expected, example.max_new_tokens
                 load = os.getloadavg()[0]
                 timed = (measure_in_browser(*served, name, expected) if served else
                          measure(handlers, prompt, expected, max_new_tokens))

@@ -67,7 +67,7 @@ def test_the_published_schema_is_the_validators():
     included), the pickers' ranges, nothing empty; and every advertised bits value runs."""
     import app
     from qevict_core.registry import METHODS
-    from ui.form import NO_LANE, parse_request
+    from ui.form import NO_LANE, Controls, parse_request
 
     demo = app.create_demo(tiny_chat_model(), tiny_tokenizer(), database_url="sqlite://", model_name="tiny")
     params = {p["parameter_name"]: p["type"] for p in demo.get_api_info()["named_endpoints"]["/generate"]["parameters"]}
@@ -76,4 +76,4 @@ def test_the_published_schema_is_the_validators():
     assert params["budget"]["minimum"] == 0.01 and params["omega"] == {"type": "integer", "minimum": 1, "maximum": 64}
     assert params["layer"]["maximum"] == 2 and params["shown_lane"]["anyOf"][0] == {"type": "string"}
     for bits in params["bits"]["enum"]:
-        parse_request("hi", ["qevict"], 0.2, 8, 0.7, bits, 5, 32, "cumulative", True, 4)
+        parse_request(Controls.lanes(["qevict"], prompt="hi", bits=bits, max_new_tokens=4))

@@ -10,7 +10,7 @@ import pytest
 
 from tests.browser import chromium, free_port, need_chromium, open_page, pick_example
 from ui.examples import EXAMPLES, PROMOTION
-from ui.form import parse_request
+from ui.form import Controls, parse_request
 
 pytestmark = pytest.mark.slow
 STUDIO_DOC = Path(__file__).resolve().parents[1] / "docs" / "studio.md"  # the API snippet the README points to
@@ -116,8 +116,7 @@ def test_the_lanes_timed_alone_agree_with_bench_tpot(smollm2, smollm2_studio, br
         "[...document.querySelectorAll('#replay-timing tbody tr')].map(r => [...r.cells].map(c => c.innerText))")}
 
     example, d = EXAMPLES[name](), QEvictConfig()
-    req = parse_request(example.prompt, ["fullkv", "qevict"], d.budget, d.omega, d.q_frac, d.bits, d.sinks,
-                        d.recent, d.scorer, d.promotion, 2, 0.0, 0, "", d.coverage)
+    req = parse_request(Controls.lanes(["fullkv", "qevict"], prompt=example.prompt, max_new_tokens=2))
     input_ids = Studio(*smollm2, SessionStore(make_engine("sqlite://"))).prepare(req)[0]
     lanes = [("fullkv", None), ("qevict", d.budget)]
     decode_side_by_side(smollm2[0], input_ids[:, :512], lanes, 9)  # warm-up, as bench.tpot does

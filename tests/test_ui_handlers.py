@@ -8,35 +8,21 @@ from sqlalchemy import update as sql_update
 
 from storage import SessionStore, make_engine
 from storage.db import EventRow, SessionRow
-from qevict_core import QEvictConfig, make_cache
+from qevict_core import make_cache
 from tests.conftest import tiny_chat_model, tiny_model, tiny_tokenizer
+from tests.studio_calls import SETTINGS, diagnostics_text, feed, request
 from ui import cards, plots, sessions
 from ui.control import TabRuns
 from ui.examples import EXAMPLES
-from ui.form import NO_LANE, parse_request
-from ui.studio import Studio, diagnose_session, progress_text
-from ui.handlers import picker_index
+from ui.form import NO_LANE, Controls, parse_request
+from ui.studio import Studio
+from ui.texts import progress_text
 from ui.view import RunView
-from qevict_core.events import event_from_dict
-
-def feed(view, data):
-    """Fold a hand-written event into ``view``, a routing event on its lane's grid."""
-    if data["kind"] == "routing":
-        data = {"sinks": view.sinks(data["lane"]), "omega": view.omega(data["lane"]), **data}
-    return view.apply(event_from_dict(data))
-
-
-SETTINGS = dict(budget=0.3, omega=8, q_frac=0.7, bits=2, sinks=5, recent=32, scorer="cumulative", promotion=True)
-LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30 + "What jumps?"
 
 
 @pytest.fixture(scope="module")
 def studio():
     return Studio(tiny_chat_model(), tiny_tokenizer(), SessionStore(make_engine("sqlite://")), "tiny")
-
-
-def request(prompt=LONG_PROMPT, methods=("fullkv", "snapkv", "qevict"), max_new=24, **overrides):
-    return parse_request(prompt, list(methods), **{**SETTINGS, **overrides}, max_new_tokens=max_new)
 
 
 @pytest.mark.parametrize("prompt, methods, overrides, message", [
@@ -101,8 +87,8 @@ def test_every_example_runs_every_default_lane(studio, name):
     at the least it can, and its note says so in words."""
     example = EXAMPLES[name]()
     new = min(example.max_new_tokens, 64)
-    req = parse_request(example.prompt, ["fullkv", "snapkv", "qevict"], 0.2, 8, 0.7, 4, 5, 32, "cumulative", True,
-                        new, 0.0, 0, example.expected)
+    req = parse_request(Controls(prompt=example.prompt, budget=0.2, omega=8, q_frac=0.7, bits=4, sinks=5, recent=32,
+                                 scorer="cumulative", promotion=True, max_new_tokens=new, expected=example.expected))
     final = list(studio.run(req))[-1]
     assert final.status == "done" and example.hint
     for lane in final.view.lanes.values():
@@ -234,7 +220,7 @@ def test_a_malformed_stored_row_is_a_message_on_its_own_page(studio):
     for session_id in (good, bad, garbled):
         with pytest.raises(ValueError, match="stored in a form this studio cannot show"):
             studio.replay(session_id)
-    assert "cannot show" in diagnose_session(studio, bad)
+    assert "cannot show" in diagnostics_text(studio, bad)
     other = list(studio.run(request(max_new=4)))[-1].session_id
     assert studio.replay(other)[1] == 3  # the others still open
     owned = [{"id": i, "token": "t"} for i in (good, bad, garbled, other)]
@@ -282,7 +268,6 @@ def test_non_latin_text_is_shown_whole_in_the_prompt_view(studio):
 def test_a_character_split_over_generated_tokens_arrives_whole():
     """The token that starts a multi-byte character adds no text; the one that completes it adds the character."""
     from qevict_core.generation.generate import Lane, _lane_events
-    from tests.conftest import tiny_tokenizer
 
     tok = tiny_tokenizer()
     lane = Lane("q", make_cache("fullkv", tiny_model(), None, max_length=8))
@@ -295,152 +280,12 @@ def test_a_character_split_over_generated_tokens_arrives_whole():
 def test_progress_says_where_the_run_is(studio):
     stream = studio.run(request(max_new=6))
     first = next(stream)
-    assert progress_text(first, studio).startswith("**Reading the prompt**") and "about" not in \
-        progress_text(first, studio)  # nothing of this run measured yet: no time shown
-    texts = [progress_text(update, studio) for update in stream]
+    assert progress_text(first).startswith("**Reading the prompt**") and "about" not in \
+        progress_text(first)  # nothing of this run measured yet: no time shown
+    texts = [progress_text(update) for update in stream]
     assert texts[0] == "**Generating…** token 1 of at most 6." and "left" not in texts[3]
     assert "left at this run's pace" in texts[4]  # four decode steps measured
     assert texts[-1] == "**Done.**"
-
-
-def test_lane_cards_point_at_the_result():
-    view = RunView({"lanes": [{"name": "fullkv", "method": "fullkv"}, {"name": "snapkv", "method": "snapkv"}],
-                    "config": {"sinks": 2, "omega": 4}, "sampling": {"max_new_tokens": 3}, "expected": "42"})
-    for lane, pieces in (("fullkv", [" 4", "2", "."]), ("snapkv", [" 4", "1", "."])):
-        for step, piece in enumerate(pieces):
-            feed(view, {"kind": "token", "lane": lane, "step": step, "token_id": ord(piece[-1]), "text": piece,
-                        "seconds": 0.1})
-    html = cards.lanes_html(view)
-    # found the moment it is there; missing is only a verdict once the lane has ended
-    assert '<span class="qe-verdict qe-answer qe-good">✓ found the answer “42”</span>' in html
-    assert '<span class="qe-verdict qe-answer qe-pending">… looking for “42”</span>' in html and "✗" not in html
-    feed(view, {"kind": "done", "lane": "snapkv", "step": 2, "reason": "length", "text": " 41.", "tokens": 3,
-                "prefill_seconds": 0.1, "decode_seconds": 0.2})
-    assert '<span class="qe-verdict qe-answer qe-bad">✗ missed the answer “42”</span>' in cards.lanes_html(view)
-    # agreement with FullKV is a pill of its own, amber, never the answer's red
-    assert '<span class="qe-verdict qe-agree qe-differs">same as FullKV for the first token' in html
-    assert "same as FullKV for the first token, then differs (67% of positions agree)" in html
-    assert '<span class="qe-diverged" title="differs from FullKV">1.</span>' in html
-
-
-@pytest.mark.parametrize("reason, status, words", [
-    ("stopped", "stopped", "■ it was stopped before finding “42”"),
-    (None, "interrupted", "■ the run was interrupted before finding “42”"),
-    (None, "running", "… looking for “42”"),
-])
-def test_a_lane_cut_short_is_neither_found_nor_missed(reason, status, words):
-    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 9}, "expected": "42"}, status)
-    feed(view, {"kind": "token", "lane": "q", "step": 0, "token_id": 7, "text": "The", "seconds": 0.1})
-    if reason:
-        feed(view, {"kind": "done", "lane": "q", "step": 0, "reason": reason, "text": "The", "tokens": 1,
-                    "prefill_seconds": 0.1, "decode_seconds": 0.0})
-    assert words in cards.lanes_html(view) and "✗" not in cards.lanes_html(view)
-
-
-def test_the_tier_map_marks_the_answers_windows_and_keeps_promotions_on_top():
-    pieces = [f"w{i} " for i in range(30)]
-    pieces[21] = "the code is 4738"
-    pieces[22] = "291. "
-    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": pieces, "expected": "4738291"})
-    feed(view, {"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 26,
-                "full": [0, 1], "quantized": [4, 5], "promoted": [], "demoted": [], "evicted": [2, 3],
-                "scores": {}})
-    feed(view, {"kind": "routing", "lane": "q", "step": 4, "layer": 0, "seen": 34, "recent_start": 30,
-                "full": [1, 4], "quantized": [0, 5, 6], "promoted": [4], "demoted": [0], "evicted": [2, 3],
-                "scores": {}})
-    assert view.answer_windows("q") == {"4738291": [4, 5]}  # tokens 21-22, windows (21-2)//4 and (22-2)//4
-    fig = plots.tier_map(view, "q", 0)
-    assert sorted(shape.y0 for shape in fig.layout.shapes) == [4, 5]
-    assert any("holds “4738291”" in a.text for a in fig.layout.annotations)
-    names = [trace.name for trace in fig.data]
-    assert names.index("promoted ▲") > names.index("demoted ▼")  # drawn last: on top
-    promoted = fig.data[names.index("promoted ▲")]
-    assert list(promoted.y) == [4] and promoted.marker.size > fig.data[names.index("demoted ▼")].marker.size
-
-
-def test_tier_map_codes_and_moves_follow_the_events():
-    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
-    feed(view, {"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 18,
-                "full": [0, 2], "quantized": [1], "promoted": [], "demoted": [], "evicted": [3],
-                "scores": {"0": 1.0, "1": 0.5, "2": 0.9, "3": 0.1, "4": 0.2}})
-    feed(view, {"kind": "routing", "lane": "q", "step": 8, "layer": 0, "seen": 38, "recent_start": 26,
-                "full": [1, 2], "quantized": [0, 4], "promoted": [1], "demoted": [0], "evicted": [3, 5],
-                "scores": {"0": 1.0, "1": 2.5, "2": 0.9, "4": 0.2}})
-    fig = plots.tier_map(view, "q", 0)
-    z = [list(row) for row in fig.data[0].z]
-    codes = plots.TIER_CODES
-    assert [row[0] for row in z[:8]] == [codes["full"], codes["quantized"], codes["full"], codes["evicted"],
-                                          codes["recent"], codes["recent"], codes["recent"], codes[None]]
-    assert [row[1] for row in z[:9]] == [codes["quantized"], codes["full"], codes["full"], codes["evicted"],
-                                          codes["quantized"], codes["evicted"], codes["recent"], codes["recent"],
-                                          codes["recent"]]
-    promoted = next(trace for trace in fig.data if trace.name == "promoted ▲")
-    assert list(promoted.x) == [1] and list(promoted.y) == [1]
-    heat = plots.score_heatmap(view, "q")
-    assert list(heat.data[0].z[0])[:5] == [1.0, 2.5, 0.9, None, 0.2]
-    html = cards.prompt_html(view, "q", 0)
-    assert 'title="sink"' in html and 'title="evicted"' in html
-    moves = cards.moves_html(view, "q", 0)
-    # window 1 = positions 6-9 of the prompt ("6789"), promoted at step 8; window 0 demoted
-    assert "step 8: window 1 (tokens 6–9, “6789”) promoted: low-bit → full precision" in moves
-    assert "step 8: window 0 (tokens 2–5, “2345”) demoted: full precision → low-bit" in moves
-    assert "2 window(s) evicted for good (3, 5)" in moves
-    assert "layout" not in json.loads(fig.to_json())["layout"]["template"]  # template="none": small payloads
-
-
-def test_a_round_trip_stays_listed_however_many_moves_follow():
-    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 200}, "prompt_tokens": [str(i % 10) for i in range(60)]})
-
-    def route(step, promoted=(), demoted=()):
-        feed(view, {"kind": "routing", "lane": "q", "step": step, "layer": 0, "seen": 60 + step,
-                    "recent_start": 48 + step, "full": [], "quantized": [], "promoted": list(promoted),
-                    "demoted": list(demoted), "evicted": [], "scores": {"0": 1.0}})
-
-    route(0, demoted=[5])  # the prompt's own placement: not a round trip
-    route(8, promoted=[5], demoted=[3])
-    route(16, promoted=[3])  # window 3: demoted at step 8, back at step 16
-    for step in range(24, 200, 8):  # 22 later events, two moves each: far more than the 12 latest lines
-        route(step, promoted=[7], demoted=[9])
-    assert cards.round_trips(view.layer_events("q", 0)) == [(3, 8, 16)]
-    moves = cards.moves_html(view, "q", 0)
-    assert "window 3 (tokens 14–17, “4567”) demoted at step 8, promoted back at step 16" in moves
-    assert "step 16:" not in moves  # the latest-moves list has moved on; the round trip is still named
-
-
-def test_diagnostics_of_a_stored_run(studio):
-    final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=32)))[-1]
-    table = diagnose_session(studio, final.session_id)
-    row = next(line for line in table.splitlines() if line.startswith("| qevict |"))
-    cells = [c.strip() for c in row.strip("|").split("|")][1:]
-    assert len(cells) == 9 and all(c != "" for c in cells)
-    fmm, fmm_fp = float(cells[0]), float(cells[1])
-    assert 0 <= fmm <= fmm_fp <= 1
-    assert "No such session" in diagnose_session(studio, "nope")
-
-
-def test_a_lane_routed_per_kv_head_shows_the_picked_head():
-    view = RunView({"lanes": [{"name": "h", "method": "qevict_head", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 8}, "prompt_tokens": [str(i % 10) for i in range(30)]})
-    for head, (full, quantized, promoted) in enumerate([([0], [1], []), ([2], [0], [2])]):
-        feed(view, {"kind": "routing", "lane": "h", "step": 8, "layer": 0, "head": head, "seen": 30,
-                    "recent_start": 18, "full": full, "quantized": quantized, "promoted": promoted, "demoted": [],
-                    "evicted": [], "scores": {"0": 1.0 + head, "1": 0.5, "2": 0.9}})
-    codes = plots.TIER_CODES
-    for head, tiers in enumerate([("full", "quantized", "evicted"), ("quantized", "evicted", "full")]):
-        fig = plots.tier_map(view, "h", 0, head)
-        assert [row[0] for row in fig.data[0].z[:3]] == [codes[t] for t in tiers]
-        assert f"h: layer 0, KV head {head}," in fig.layout.title.text
-        assert list(plots.score_heatmap(view, "h", head).data[0].z[0])[:1] == [1.0 + head]
-        assert f"h, layer 0, KV head {head}" in cards.prompt_html(view, "h", 0, head)
-    assert "window 2 (tokens 10–13" in cards.moves_html(view, "h", 0, 1)
-    assert "promoted" not in cards.moves_html(view, "h", 0, 0)
-    assert view.where("h", 0, 1) == "layer 0, KV head 1"
-    with pytest.raises(ValueError, match="head: must be a whole number from 0 to 2"):
-        picker_index(3, 3, "head")
 
 
 def test_a_qevict_head_run_is_stored_replayed_and_diagnosed_per_head(studio):
@@ -450,7 +295,7 @@ def test_a_qevict_head_run_is_stored_replayed_and_diagnosed_per_head(studio):
     assert heads == set(range(studio.num_kv_heads))
     assert view.layer_events("qevict_head", 0, 1) and all(e.head == 1
                                                           for e in view.layer_events("qevict_head", 0, 1))
-    row = next(line for line in diagnose_session(studio, final.session_id).splitlines()
+    row = next(line for line in diagnostics_text(studio, final.session_id).splitlines()
                if line.startswith("| qevict_head |"))
     assert all(c.strip() for c in row.strip("|").split("|"))
 
@@ -485,7 +330,7 @@ def test_each_lane_is_drawn_with_the_configuration_it_ran_with(studio):
             assert max(drawn) == round(max(v for v in last.scores.values() if v is not None), 3)
         # the prompt colouring groups tokens by each lane's own Ω: a window's tokens share its tier
         assert cards.prompt_html(view, "r1", 0) != cards.prompt_html(view, "qevict_omega16", 0)
-    row = {line.split("|")[1].strip(): line for line in diagnose_session(studio, final.session_id).splitlines()
+    row = {line.split("|")[1].strip(): line for line in diagnostics_text(studio, final.session_id).splitlines()
            if line.startswith("| ")}
     assert {"qevict", "r1", "qevict_omega16"} <= set(row)
 
@@ -506,7 +351,7 @@ def test_a_session_exported_before_lane_configs_and_16_bit_caches_replays(studio
     assert view.config("qevict")["kv_dtype"] == "model" and view.omega("qevict") == SETTINGS["omega"]
     assert plots.tier_map(view, "qevict", 0).data[0].z
     with pytest.raises(ValueError, match="allowed"):
-        parse_request("hi", ["qevict_pool"], **SETTINGS, max_new_tokens=4)
+        parse_request(Controls.lanes(["qevict_pool"], prompt="hi", **SETTINGS, max_new_tokens=4))
 
 
 def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(studio):
@@ -538,102 +383,3 @@ def test_a_window_id_beyond_the_run_is_refused_and_every_drawing_is_bounded(stud
     assert len(fig.to_json()) < 3 * 2**20
 
 
-def test_the_lane_picker_chooses_whose_routing_is_drawn(studio):
-    from ui.handlers import Handlers, routing_outputs
-
-    events = Handlers(studio)
-    menu = events.shown_lane_menu("fullkv", "qevict", "qevict_head")
-    assert menu["choices"] == ["qevict", "qevict_head"] and menu["value"] == "qevict"
-    assert events.shown_lane_menu("qevict", "(none)", "qevict")["choices"] == ["qevict", "qevict#2"]
-    assert events.shown_lane_menu("fullkv", "snapkv", "(none)")["choices"] == []
-    final = list(studio.run(request(methods=("fullkv", "qevict", "qevict_head"), max_new=16)))[-1]
-    for lane in ("qevict", "qevict_head"):
-        tier, heat, moves, prompt = routing_outputs(final.view, 0, 1, lane)
-        assert tier.layout.title.text.startswith(f"{lane}: layer 0") and heat.layout.title.text.startswith(lane)
-    # the picked head reaches the per-head lane only; an unknown lane falls back to the first QEvict lane
-    assert "KV head 1" in routing_outputs(final.view, 0, 1, "qevict_head")[0].layout.title.text
-    assert routing_outputs(final.view, 0, 1, "nope")[0].layout.title.text.startswith("qevict: layer 0")
-    # the replay handler offers the run's routed lanes and draws the one asked for
-    out = events.show_replay(final.session_id, None, 0, 1, "qevict_head", None)
-    assert out[2]["choices"] == ["qevict", "qevict_head"] and out[2]["value"] == "qevict_head"
-    assert out[6].layout.title.text.startswith("qevict_head: layer 0, KV head 1")
-
-
-def test_the_time_left_follows_the_latest_steps_not_the_first():
-    from ui.studio import Update
-
-    view = RunView({"lanes": [{"name": "qevict", "method": "qevict", "config": {"sinks": 2, "omega": 4}}], "config": {"sinks": 2, "omega": 4},
-                    "sampling": {"max_new_tokens": 200}, "prompt_length": 10})
-    # the prompt, a slow first decode step (warm-up), then steady 0.5 s steps
-    for step, seconds in enumerate([30.0, 20.0] + [0.5] * 20):
-        feed(view, {"kind": "token", "lane": "qevict", "step": step, "token_id": 1, "text": "a", "seconds": seconds})
-    text = progress_text(Update(view, "s", "t", False, "running"), None)
-    # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
-    assert text == "**Generating…** token 22 of at most 200, about 89 s left at this run's pace.", text
-
-
-def test_a_draft_survives_a_reload_and_a_restart_says_so(studio):
-    from ui.handlers import BOOT, Handlers
-
-    events = Handlers(studio)
-    draft = events.save_draft("What did Mr. Darcy say?", "nothing", 100)
-    assert draft == {"prompt": "What did Mr. Darcy say?", "expected": "nothing", "max_new": 100, "boot": BOOT}
-    owned = [{"id": "a" * 22, "token": "t" * 22}]
-    prompt, expected, max_new, status = events.restore_draft(draft, owned)  # a reload: the form back, no message
-    assert (prompt, expected, max_new) == ("What did Mr. Darcy say?", "nothing", 100)
-    assert status["__type__"] == "update"
-    prompt, expected, _, status = events.restore_draft({**draft, "boot": "an-earlier-server"}, owned)
-    assert prompt == "What did Mr. Darcy say?" and "**The server restarted.**" in status and "a" * 22 in status
-    # what a browser sends back is untrusted: anything else restores nothing
-    for bad in (None, [], {"prompt": 5}, {"prompt": ""}, "x"):
-        assert all(out["__type__"] == "update" for out in events.restore_draft(bad, owned))
-    assert events.restore_draft({"prompt": "hi", "max_new": 10**9, "boot": BOOT}, owned)[2]["__type__"] == "update"
-    assert events.save_draft(["a list"], "", 64)["__type__"] == "update"
-
-
-def test_an_example_s_answer_goes_when_its_prompt_is_edited(studio):
-    from ui.handlers import Handlers
-
-    events = Handlers(studio)
-    name = next(iter(EXAMPLES))
-    example = EXAMPLES[name]()
-    assert all(out["__type__"] == "update" for out in events.prompt_edited(example.prompt, name))  # unchanged
-    expected, picked, hint = events.prompt_edited(example.prompt + " And who wrote it?", name)
-    assert (expected, picked, hint) == ("", None, "")
-    assert all(out["__type__"] == "update" for out in events.prompt_edited("my own prompt", None))
-
-
-def test_time_the_lanes_alone_rebuilds_the_runs_lanes_and_times_them_interleaved(studio):
-    final = list(studio.run(request(methods=("fullkv", "qevict", "qevict"), max_new=8)))[-1]
-    table = studio.time_lanes(final.session_id, new_tokens=5)
-    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
-    assert set(rows) == {"lane", "fullkv", "qevict", "qevict#2"}
-    assert rows["fullkv"].rstrip(" |").endswith("1.000")  # the baseline against itself, within the run
-    assert "4 decode steps of every lane, interleaved" in table
-    from ui.handlers import Handlers
-
-    assert Handlers(studio).time_lanes("no-such-session").startswith("**Cannot time this run:**")
-
-
-def test_the_promotion_example_sets_its_budget_and_a_layer_this_model_has(studio):
-    from ui.examples import PROMOTION
-    from ui.handlers import Handlers
-
-    found = json.loads(PROMOTION.read_text())
-    prompt, expected, new, layer, hint, budget = Handlers(studio).pick_example("A window demoted, then promoted back")
-    assert (expected, new, budget) == (found["value"], found["max_new_tokens"], found["budget"])
-    assert found["budget"] > QEvictConfig().budget  # where the default keeps full windows, so one can come back
-    assert layer == min(found["layer"], studio.num_layers - 1) and f"{found['budget']:.0%} of the bytes" in hint
-    needle = Handlers(studio).pick_example("Needle in ~2K tokens of Austen (retrieval)")
-    assert not isinstance(needle[3], int) and not isinstance(needle[5], float)  # skipped: the form's stay
-
-
-def test_the_sessions_table_says_how_many_runs_it_lists(studio):
-    from ui.handlers import Handlers
-
-    events = Handlers(studio)
-    empty = events.list_sessions([])
-    assert empty["value"] == [] and empty["label"] == "No runs saved in this browser yet"
-    final = list(studio.run(request(methods=("qevict",), max_new=4)))[-1]
-    listed = events.list_sessions([{"id": final.session_id, "token": "t"}, {"id": "not-a-session-id-at-all", "token": "t"}])
-    assert [row[0] for row in listed["value"]] == [final.session_id] and listed["label"] == "1 run saved in this browser"

@@ -72,13 +72,13 @@ def test_a_closed_tab_ends_the_worker(forked):
 
 
 def test_timing_and_diagnostics_cross_the_boundary(forked):
-    from ui.studio import diagnose_session
+    from ui.studio import diagnose_run
 
     studio, gpu, pids = forked
     final = list(studio.run(request(24)))[-1]
-    table = studio.time_lanes(final.session_id, new_tokens=5)
-    assert "| qevict |" in table and "| fullkv |" in table
-    report = diagnose_session(studio, final.session_id)
-    assert "| qevict |" in report and "cannot" not in report
+    timing = studio.time_lanes(final.session_id, new_tokens=5)
+    assert set(timing.lanes) == {"fullkv", "qevict"} and timing.lanes["fullkv"]["ratio"] == 1.0
+    diagnosis = diagnose_run(studio, final.session_id)
+    assert set(diagnosis.lanes) == {"qevict"} and not diagnosis.problems
     assert len(gpu.calls) == 3 and all(call["pid"] != os.getpid() for call in gpu.calls)
     assert set(pids) == {os.getpid()}

@@ -1,5 +1,7 @@
-"""The studio's Blocks: components and wiring only. What each event does is a plain method of
-``handlers.Handlers``; the form's schema is ``form``, drawing is ``plots`` and ``cards``."""
+"""The studio's Blocks: components and wiring only. What each event does is a plain method of a tab's handlers
+(``run_tab``, ``replay_tab``, ``sessions_tab``), wired by name (``named.wire``): a handler's parameters and
+returned fields are the components of the same names here. The form's schema is ``form``, drawing is ``plots``
+and ``cards``."""
 
 from __future__ import annotations
 
@@ -8,19 +10,22 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from qevict_core import QEvictConfig
 from qevict_core.registry import METHODS
 from storage.schema import max_import_bytes
 
 from . import sessions
 from .components import FormCheckbox, FormDropdown, FormNumber, FormRadio, FormSlider, FormTextbox
-from .handlers import CLEARED, Handlers, lane_choices
+from .control import TabRuns
 from .examples import EXAMPLES
-from .form import MAX_NEW_TOKENS, api_schema
+from .form import MAX_NEW_TOKENS, Controls, api_schema
+from .named import wire
+from .replay_tab import ReplayHandlers
+from .run_tab import RunHandlers, lane_choices
+from .sessions_tab import SessionHandlers
 from .glossary import GLOSSARY
 from .studio import Studio
 
-DEFAULTS = QEvictConfig()
+DEFAULTS = Controls()  # what the form opens with
 INTRO = """# QEvict studio
 Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache
 (FullKV), a baseline and QEvict, which keeps most windows of past tokens in 4 bits that still take part in
@@ -38,7 +43,8 @@ def methods_markdown() -> str:
 
 
 def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
-    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, pickers, routing views."""
+    """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, pickers, routing views. Each
+    drawing's attribute is its field of ``outputs.ViewOutputs``; the pickers' are those of ``outputs.Shown``."""
     p = SimpleNamespace()
     p.lanes = gr.HTML(elem_id=f"{prefix}lanes")
     p.stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
@@ -46,7 +52,7 @@ def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
                            label="Lanes side by side (tokens per layer, moves in windows; see the glossary)")
     p.memory = gr.Plot(label="Bytes per tier", show_label=False, elem_id=f"{prefix}bytes")
     with gr.Row():
-        p.lane = FormDropdown([], value=None, label="Routing shown for lane", elem_id=f"{prefix}shown-lane",
+        p.shown_lane = FormDropdown([], value=None, label="Routing shown for lane", elem_id=f"{prefix}shown-lane",
                              allow_custom_value=True, scale=2, min_width=160).declare(api_schema("shown_lane"))
         p.layer = FormSlider(0, layers - 1, value=layers // 2, step=1, label=f"Layer (0–{layers - 1})",
                              elem_id=f"{prefix}layer", scale=3, min_width=160).declare(
@@ -59,8 +65,6 @@ def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
         p.heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
     p.moves = gr.HTML(elem_id=f"{prefix}moves")
     p.prompt = gr.HTML(elem_id=f"{prefix}prompt-tiers")
-    p.outputs = [p.lanes, p.stats, p.memory, p.tier, p.heat, p.moves, p.prompt]
-    p.routing = [p.tier, p.heat, p.moves, p.prompt]
     return p
 
 
@@ -78,12 +82,13 @@ def run_tab(studio: Studio) -> SimpleNamespace:
             with gr.Row():
                 t.lanes = [FormDropdown(lane_choices(False), value=value, label=f"Lane {i}",
                                         elem_id=f"lane{i}").declare(api_schema("lane"))
-                           for i, value in enumerate(("fullkv", "snapkv", "qevict"), start=1)]
+                           for i, value in enumerate((DEFAULTS.lane1, DEFAULTS.lane2, DEFAULTS.lane3), start=1)]
+                t.lane1, t.lane2, t.lane3 = t.lanes
             t.ablations = gr.Checkbox(False, label="Show ablations (R1, R2, no promotion, scorers, Ω, per-head "
                                       "routing, …) in the lane menus", elem_id="ablations")
             t.budget = FormSlider(0.01, 1.0, value=DEFAULTS.budget, step=0.01, elem_id="budget",
                                   label="KV budget: share of FullKV's bytes (0.01–1)").declare(api_schema("budget"))
-            t.max_new = FormSlider(1, MAX_NEW_TOKENS, value=64, step=1, elem_id="max-new",
+            t.max_new_tokens = FormSlider(1, MAX_NEW_TOKENS, value=DEFAULTS.max_new_tokens, step=1, elem_id="max-new",
                                    label=f"Max new tokens (1–{MAX_NEW_TOKENS})").declare(api_schema("max_new_tokens"))
             with gr.Accordion("QEvict settings", open=False):
                 with gr.Row():
@@ -93,7 +98,7 @@ def run_tab(studio: Studio) -> SimpleNamespace:
                     t.q_frac = FormSlider(0.0, 1.0, value=DEFAULTS.q_frac, step=0.05,
                                           label="q: share of the history budget in low bits (0–1)").declare(
                                               api_schema("q_frac"))
-                    t.coverage = FormSlider(0.0, 1.0, value=DEFAULTS.coverage or 0.0, step=0.05, elem_id="coverage",
+                    t.coverage = FormSlider(0.0, 1.0, value=DEFAULTS.coverage, step=0.05, elem_id="coverage",
                                             label="coverage κ: share of the windows the low-bit tier is sized for "
                                                   "first (0 = split by q)").declare(api_schema("coverage"))
                 with gr.Row():
@@ -109,9 +114,9 @@ def run_tab(studio: Studio) -> SimpleNamespace:
                     t.sinks = FormNumber(value=DEFAULTS.sinks, label="sinks (0–64)").declare(api_schema("sinks"))
                     t.recent = FormNumber(value=DEFAULTS.recent, label="recent (0–1024)").declare(
                         api_schema("recent"))
-                    t.temperature = FormNumber(value=0.0, label="temperature (0 = greedy, up to 2)").declare(
-                        api_schema("temperature"))
-                    t.seed = FormNumber(value=0, label="seed (0 or more)").declare(api_schema("seed"))
+                    t.temperature = FormNumber(value=DEFAULTS.temperature, label="temperature (0 = greedy, up to 2)"
+                                               ).declare(api_schema("temperature"))
+                    t.seed = FormNumber(value=DEFAULTS.seed, label="seed (0 or more)").declare(api_schema("seed"))
     with gr.Row():
         t.generate = gr.Button("Generate", variant="primary", elem_id="generate")
         t.stop = gr.Button("Stop", elem_id="stop")
@@ -168,7 +173,9 @@ def sessions_tab() -> SimpleNamespace:
 
 
 def build_demo(studio: Studio) -> gr.Blocks:
-    ev = Handlers(studio)
+    tabs_state = TabRuns()
+    run, replay = RunHandlers(studio, tabs_state), ReplayHandlers(studio, tabs_state)
+    saved = SessionHandlers(replay)
     private = {"api_visibility": "private"}
     with gr.Blocks(title="QEvict studio", analytics_enabled=False) as demo:
         owned = gr.BrowserState([], storage_key=sessions.STORAGE_KEY,
@@ -187,57 +194,63 @@ def build_demo(studio: Studio) -> gr.Blocks:
             with gr.Tab("Sessions", id="sessions") as sessions_page:
                 s = sessions_tab()
         v, rv = t.view, r.view
-
-        # -- run
-        t.example.change(ev.pick_example, t.example, [t.prompt, t.expected, t.max_new, v.layer, t.hint, t.budget],
-                         **private).then(ev.save_draft, [t.prompt, t.expected, t.max_new], draft, **private)
-        t.prompt.input(ev.prompt_edited, [t.prompt, t.example], [t.expected, t.example, t.hint], **private)
-        t.ablations.change(ev.show_ablations, [t.ablations, *t.lanes], t.lanes, **private)
-        for menu in t.lanes:
-            menu.change(ev.shown_lane_menu, t.lanes, v.lane, **private)
-        demo.load(ev.shown_lane_menu, t.lanes, v.lane, **private)
         new_ref = gr.State(None)  # the run's {id, token}, handed to the browser's list (not part of the API)
-        inputs = [t.prompt, *t.lanes, t.budget, t.omega, t.q_frac, t.bits, t.sinks, t.recent, t.scorer, t.promotion,
-                  t.max_new, t.temperature, t.seed, v.layer, t.expected, v.head, t.coverage, v.lane]
-        t.generate.click(ev.arm, None, [t.status, *v.outputs, t.share], queue=False, **private).then(
-            ev.generate, inputs, [t.status, *v.outputs, t.share, new_ref], api_name="generate",
-            concurrency_id="gpu", concurrency_limit=1, show_progress_on=[t.status])
-        new_ref.change(ev.record, [new_ref, owned], owned, **private)
-        gr.on([t.prompt.blur, t.expected.blur, t.max_new.release, t.generate.click], ev.save_draft,
-              [t.prompt, t.expected, t.max_new], draft, **private)
-        demo.load(ev.restore_draft, [draft, owned], [t.prompt, t.expected, t.max_new, t.status], **private)
-        t.stop.click(ev.request_stop, None, t.status, queue=False, **private)
-        for picker in (v.layer, v.head, v.lane):
-            picker.change(ev.redraw_routing, [v.layer, v.head, v.lane], v.routing, **private)
+
+        # -- run: the form's controls by their names, the view's pickers and drawings as groups
+        on = {**vars(t), "controls": t, "shown": v, "layer": v.layer, "ref": new_ref, "owned": owned,
+              "draft": draft}
+        draft_fields = [t.prompt, t.expected, t.max_new_tokens]
+        wire(t.example.change, run.pick_example, on, **private).then(
+            run.save_draft, draft_fields, draft, **private)
+        wire(t.prompt.input, run.prompt_edited, on, **private)
+        wire(t.ablations.change, run.show_ablations, on, t.lanes, **private)
+        wire(_on([*(menu.change for menu in t.lanes), demo.load]), run.shown_lane_menu, on, v.shown_lane, **private)
+        wire(t.generate.click, run.arm, on, queue=False, **private).then(
+            *wire(_unbound, run.generate, on), api_name="generate", concurrency_id="gpu", concurrency_limit=1,
+            show_progress_on=[t.status])
+        wire(new_ref.change, run.record, on, owned, **private)
+        wire(_on([t.prompt.blur, t.expected.blur, t.max_new_tokens.release, t.generate.click]), run.save_draft, on,
+             draft, **private)
+        wire(demo.load, run.restore_draft, on, **private)
+        wire(t.stop.click, run.request_stop, on, t.status, queue=False, **private)
+        wire(_on([v.layer.change, v.head.change, v.shown_lane.change]), run.redraw_routing, {**vars(v), "shown": v},
+             **private)
 
         # -- replay
-        pickers = [rv.layer, rv.head, rv.lane]
-        shown = [r.status, r.step, rv.lane, *rv.outputs]
-        r.load.click(ev.load_replay, [r.id, *pickers], shown, **private)
-        r.step.input(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
-        for picker in (rv.layer, rv.head):
-            picker.change(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
-        rv.lane.input(ev.show_replay, [r.id, r.step, *pickers], shown, **private)
-        r.play.click(ev.play, None, r.timer, **private)
-        r.pause.click(ev.pause, None, r.timer, **private)
-        r.timer.tick(ev.tick, [r.id, r.step, *pickers], [*shown, r.timer], **private)
-        r.diagnose.click(ev.run_diagnostics, r.id, r.diagnostics, concurrency_id="gpu",
-                         concurrency_limit=1, **private)
-        r.time.click(ev.time_lanes, r.id, r.timing, concurrency_id="gpu", concurrency_limit=1,
-                     **private)
+        replayed = SimpleNamespace(status=r.status, step=r.step, shown_lane=rv.shown_lane, view=rv)
+        on = {**vars(replayed), "session_id": r.id, "shown": rv, "timer": r.timer}
+        wire(r.load.click, replay.load_replay, on, **private)
+        # always_last: a dragged step slider ends on the step it was let go at, not the first one it passed
+        wire(_on([r.step.input, rv.layer.change, rv.head.change, rv.shown_lane.input]), replay.show_replay, on,
+             trigger_mode="always_last", **private)
+        wire(r.play.click, replay.play, on, r.timer, **private)
+        wire(r.pause.click, replay.pause, on, r.timer, **private)
+        wire(r.timer.tick, replay.tick, on, **private)
+        wire(r.diagnose.click, replay.run_diagnostics, on, r.diagnostics, concurrency_id="gpu", concurrency_limit=1,
+             **private)
+        wire(r.time.click, replay.time_lanes, on, r.timing, concurrency_id="gpu", concurrency_limit=1, **private)
 
-        # -- sessions
-        owned.change(ev.list_sessions, owned, s.table, **private)
-        sessions_page.select(ev.list_sessions, owned, s.table, **private)
-        s.table.select(ev.pick_row, None, s.id, **private)
-        s.open.click(ev.open_session, [s.id, *pickers], [tabs, r.id, *shown], **private)
-        s.export.click(ev.export_session, s.id, [s.file, s.status], **private)
-        gr.on([s.upload.upload, s.upload.clear], ev.import_session, [s.upload, owned], [s.status, owned], **private)
-        s.delete.click(ev.ask_delete, s.id, [s.confirm, s.status], **private)
-        s.confirm.click(ev.delete_session, [s.id, s.token, owned], [s.status, owned, s.confirm], **private)
+        # -- sessions, deep links and cleanup
+        on = {"owned": owned, "session_id": s.id, "token": s.token, "upload": s.upload, "shown": rv, "tabs": tabs,
+              "replay_id": r.id, "replay": replayed, "table": s.table}
+        wire(_on([owned.change, sessions_page.select]), saved.list_sessions, on, s.table, **private)
+        wire(s.table.select, saved.pick_row, on, s.id, **private)
+        wire(s.open.click, saved.open_session, on, **private)
+        wire(s.export.click, saved.export_session, on, [s.file, s.status], **private)
+        wire(_on([s.upload.upload, s.upload.clear]), saved.import_session, on, [s.status, owned], **private)
+        wire(s.delete.click, saved.ask_delete, on, [s.confirm, s.status], **private)
+        wire(s.confirm.click, saved.delete_session, on, [s.status, owned, s.confirm], **private)
         s.id.change(lambda: gr.update(visible=False), None, s.confirm, **private)  # a confirm is for one id
-
-        # -- deep links and cleanup
-        demo.load(ev.on_load, [*pickers, owned], [tabs, r.id, *shown, s.table], **private)
-        demo.unload(ev.forget)
+        wire(demo.load, saved.on_load, on, **private)
+        demo.unload(run.forget)
     return demo
+
+
+def _on(triggers: list):
+    """A listener for several triggers (``gr.on``), as ``wire`` calls one."""
+    return lambda fn, inputs, outputs, **kwargs: gr.on(triggers, fn, inputs, outputs, **kwargs)
+
+
+def _unbound(fn, inputs, outputs):
+    """What ``wire`` made, unregistered: (fn, inputs, outputs) for a ``.then`` that takes them positionally."""
+    return fn, inputs, outputs

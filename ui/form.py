@@ -39,7 +39,7 @@ def _whole(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, float) and math.isfinite(value):
-        raise ValueError(f"must be a whole number")
+        raise ValueError("must be a whole number")
     return value
 
 
@@ -129,15 +129,50 @@ class RunRequest:
     expected: str = ""
 
 
-def parse_request(prompt: Any, methods: list[Any], budget: Any, omega: Any, q_frac: Any, bits: Any, sinks: Any,
-                  recent: Any, scorer: Any, promotion: Any, max_new_tokens: Any, temperature: Any = 0.0,
-                  seed: Any = 0, expected: Any = "", coverage: Any = QEvictConfig().coverage or 0.0) -> RunRequest:
+DEFAULTS = QEvictConfig()
+
+
+@dataclass
+class Controls:
+    """The Generate form's controls as sent (an API client can send anything), with the values the form opens
+    with; ``parse_request`` checks them. Their names are the controls' in ``blocks`` and the parameters of the
+    ``/generate`` API."""
+
+    prompt: Any = ""
+    lane1: Any = "fullkv"
+    lane2: Any = "snapkv"
+    lane3: Any = "qevict"
+    budget: Any = DEFAULTS.budget
+    omega: Any = DEFAULTS.omega
+    q_frac: Any = DEFAULTS.q_frac
+    bits: Any = DEFAULTS.bits
+    sinks: Any = DEFAULTS.sinks
+    recent: Any = DEFAULTS.recent
+    scorer: Any = DEFAULTS.scorer
+    promotion: Any = DEFAULTS.promotion
+    max_new_tokens: Any = 64
+    temperature: Any = 0.0
+    seed: Any = 0
+    expected: Any = ""
+    coverage: Any = DEFAULTS.coverage or 0.0
+
+    @classmethod
+    def lanes(cls, methods: list[Any], **values: Any) -> Controls:
+        """Controls with up to three lanes from a list (the rest "(none)")."""
+        methods = list(methods) + [NO_LANE] * (3 - len(methods))
+        if len(methods) > 3:
+            raise ValueError(f"{LABELS['lanes']}: at most 3 (got {len(methods)})")
+        return cls(lane1=methods[0], lane2=methods[1], lane3=methods[2], **values)
+
+
+def parse_request(controls: Controls) -> RunRequest:
     """Raw control values -> a request; ValueError naming the control, what is allowed and what was sent."""
+    c = controls
     try:
-        form = RunForm(prompt=prompt, lanes=list(methods), budget=budget, omega=omega, q_frac=q_frac, bits=bits,
-                       sinks=sinks, recent=recent, scorer=scorer, promotion=promotion,
-                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                       expected=expected if expected is not None else "", coverage=coverage)
+        form = RunForm(prompt=c.prompt, lanes=[c.lane1, c.lane2, c.lane3], budget=c.budget, omega=c.omega,
+                       q_frac=c.q_frac, bits=c.bits, sinks=c.sinks, recent=c.recent, scorer=c.scorer,
+                       promotion=c.promotion, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                       seed=c.seed, expected=c.expected if c.expected is not None else "", coverage=c.coverage)
     except ValidationError as err:
         raise ValueError(readable(err)) from None
     chosen = tuple(m for m in form.lanes if m and m != NO_LANE)

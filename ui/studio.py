@@ -1,13 +1,13 @@
 """What the studio does, without Gradio: prepare a validated request, run it through the engine while persisting
-the event stream step by step, and rebuild views of stored sessions. ``ui/handlers.py`` turns these into the
-controls' events, ``ui/blocks.py`` wires them to components; ``ui/form.py`` is the door every request passes."""
+the event stream step by step, and rebuild views of stored sessions. Nothing here writes for a page: ``ui/texts.py``
+and the drawings (``cards``, ``plots``) present what this returns, the tabs' handlers (``run_tab``, ``replay_tab``,
+``sessions_tab``) answer the controls, and ``ui/blocks.py`` wires them; ``ui/form.py`` is the door every request
+passes."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import statistics
 import tempfile
 import threading
 import warnings
@@ -41,6 +41,25 @@ def lane_names(methods: tuple[str, ...]) -> list[str]:
             name, n = f"{method}#{n}", n + 1
         names.append(name)
     return names
+
+
+@dataclass
+class Timing:
+    """Each lane timed alone on a run's prompt: {lane: {"tpot": seconds, "ratio": × baseline}}."""
+
+    lanes: dict[str, dict[str, float]]
+    prompt_tokens: int
+    steps: int
+    baseline: str
+
+
+@dataclass
+class Diagnosis:
+    """The diagnostics of a stored run: per lane the paper's numbers; why any lane was left out."""
+
+    lanes: dict[str, dict]
+    problems: list[str]
+    routed: bool = True  # False: the run has no routed lane, nothing to diagnose
 
 
 @dataclass
@@ -232,10 +251,10 @@ class Studio:
                 self._loaded.pop(next(iter(self._loaded)))
         return meta, events
 
-    def time_lanes(self, session_id: str, new_tokens: int = 33, rounds: int = 1) -> str:
+    def time_lanes(self, session_id: str, new_tokens: int = 33, rounds: int = 1) -> Timing:
         """The stored run's lanes rebuilt on its prompt and timed alone, their decode steps interleaved in one
-        process (``qevict_core.timing``, what ``bench.tpot`` measures) -> a table of ms per token and the ratio to
-        FullKV (or to the first lane when there is no FullKV lane)."""
+        process (``qevict_core.timing``, what ``bench.tpot`` measures): ms per token and the ratio to FullKV (or to
+        the first lane when there is no FullKV lane)."""
         meta, _ = self.load(session_id)
         request = meta["request"]
         req = RunRequest(meta["prompt"], tuple(lane["method"] for lane in request["lanes"]),
@@ -246,11 +265,7 @@ class Studio:
         job = TimingJob(tuple(input_ids[0].tolist()), tuple((lane["name"], lane["method"]) for lane in spec["lanes"]),
                         req.config.to_dict(), new_tokens, rounds, baseline)
         timed = self.timed(job)  # on the model's one worker (Gradio's "gpu" queue), never beside a generation
-        rows = [f"| {name} | {1000 * t['tpot']:.1f} | {t['ratio']:.3f} |" for name, t in timed.items()]
-        return (f"Each lane alone on this run's prompt ({input_ids.shape[1]:,} tokens): {new_tokens - 1} decode steps "
-                f"of every lane, interleaved in one process, as `bench.tpot` measures (× {baseline}: the ratio "
-                "within the run; on a busy machine the times move, the ratios much less).\n\n"
-                f"| lane | ms per token, alone | × {baseline} |\n|---|---|---|\n" + "\n".join(rows))
+        return Timing(timed, input_ids.shape[1], new_tokens - 1, baseline)
 
     def replay(self, session_id: str, step: int | None = None) -> tuple[RunView, int, dict]:
         """The view of a stored session at ``step`` (None: the end), its last step and its metadata."""
@@ -263,48 +278,14 @@ class Studio:
         return view, last, meta
 
 
-MEASURED_STEPS = 4  # decode steps of this run measured before a time left is shown
-
-
-def progress_text(update: Update, studio: Studio) -> str:
-    """Where the run stands, in words. A time left is shown only once this run has measured its own pace (the
-    latest decode steps): an earlier run's, or the prompt's, would mislead on a machine whose load changes."""
-    view = update.view
-    if update.status != "running":
-        return {"done": "**Done.**", "stopped": "**Stopped** — what was generated is kept.",
-                "error": f"**Error:** {update.message}"}[update.status]
-    steps = max((len(lane.tokens) for lane in view.lanes.values()), default=0)
-    if steps == 0:
-        tokens = int(view.request["prompt_length"])
-        lanes = len(view.lanes)
-        return f"**Reading the prompt** ({tokens:,} tokens, {lanes} lane{'s' if lanes > 1 else ''})…"
-    paces = [statistics.median(lane.step_seconds[-8:]) for lane in view.lanes.values()
-             if len(lane.step_seconds) >= MEASURED_STEPS and lane.done is None]
-    left = view.max_new_tokens - steps
-    eta = f", about {_duration(left * max(paces))} left at this run's pace" if paces and left > 0 else ""
-    return f"**Generating…** token {steps} of at most {view.max_new_tokens}{eta}."
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(1, math.ceil(seconds))} s"
-    return f"{seconds / 60:.0f} min"
-
-
-DIAGNOSTIC_COLUMNS = [("FMM (H=32)", "fmm"), ("FMM without the low-bit tier", "fmm_fp_only"), ("churn", "churn"),
-                      ("QSA", "qsa"), ("R_Q", "r_q")]
-
-
-def diagnose_session(studio: Studio, session_id: str) -> str:
+def diagnose_run(studio: Studio, session_id: str) -> Diagnosis:
     """The paper's diagnostics for every routed lane of a stored run, against FullKV attention over that lane's
-    own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU)."""
-    try:
-        view, _, meta = studio.replay(session_id)
-    except (LookupError, ValueError) as err:
-        return f"**{err}**"
+    own tokens (recomputed with eager attention: seconds for a few thousand tokens on CPU). LookupError or
+    ValueError when the session is missing or cannot be read."""
+    view, _, meta = studio.replay(session_id)
     lanes = view.routed_lanes()
     if not lanes:
-        return "This run has no routed lane (QEvict or its ablations): nothing to diagnose."
+        return Diagnosis({}, [], routed=False)
     prompt, _ = studio.encode(meta["prompt"])
     sampling = meta["request"]["sampling"]
     max_length = prompt.shape[1] + sampling["max_new_tokens"]
@@ -313,31 +294,20 @@ def diagnose_session(studio: Studio, session_id: str) -> str:
     for name in lanes:
         lane = view.lanes[name]
         if len(lane.tokens) < 2:
-            problems.append(f"- `{name}`: fewer than two generated tokens, nothing to diagnose.")
+            problems.append(f"`{name}`: fewer than two generated tokens, nothing to diagnose.")
         elif prompt.shape[1] != int(meta["request"]["prompt_length"]):
-            problems.append(f"- `{name}`: this model reads the stored prompt as {prompt.shape[1]} tokens, the run "
+            problems.append(f"`{name}`: this model reads the stored prompt as {prompt.shape[1]} tokens, the run "
                             f"had {meta['request']['prompt_length']}: it was made with another model or tokenizer.")
         elif vocab and max(lane.tokens) >= vocab:
-            problems.append(f"- `{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
+            problems.append(f"`{name}`: token id {max(lane.tokens)} is outside this model's vocabulary "
                             f"({vocab} ids): the run was made with another model.")
         else:
             jobs.append(LaneDiagnosis(name, tuple(prompt[0].tolist() + lane.tokens[:-1]), view.routing[name],
                                       view.grid(name).count(max_length), int(lane.summary.get("k_full", 1))))
     results = studio.diagnosed(tuple(jobs), prompt.shape[1]) if jobs else {}
-    columns = [name for name, _ in DIAGNOSTIC_COLUMNS] + ["μ full", "μ low-bit", "μ evicted", "LIR"]
-    rows = ["| lane | " + " | ".join(columns) + " |", "|" + "---|" * (len(DIAGNOSTIC_COLUMNS) + 5)]
-    for name, result in results.items():
-        if isinstance(result, str):
-            problems.append(f"- `{name}`: cannot be diagnosed ({result}).")
-            continue
-        cells = [result[key] for _, key in DIAGNOSTIC_COLUMNS]
-        cells += [result["tier_mass"][k] for k in ("full", "quantized", "evicted")] + [result["lir_policy"]["lir"]]
-        rows.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
-    if len(rows) == 2:
-        return "**This run cannot be diagnosed here.**\n\n" + "\n".join(problems)
-    return ("Attention-drift diagnostics against FullKV attention over each lane's own tokens (Appendix I of the "
-            "paper; see the glossary below): lower FMM is better; QSA near 1 means the low-bit scores rank like "
-            "full precision.\n\n" + "\n".join(rows) + ("\n\n" + "\n".join(problems) if problems else ""))
+    problems += [f"`{name}`: cannot be diagnosed ({result})." for name, result in results.items()
+                 if isinstance(result, str)]
+    return Diagnosis({name: r for name, r in results.items() if not isinstance(r, str)}, problems)
 
 
 def summarize(view: RunView) -> dict:
