@@ -30,7 +30,7 @@ run: setup
 	$(PY) app.py
 
 cli: setup
-	$(PY) -m qevict_core generate --prompt-file bench/data/sample_prompt.txt --budget 0.2 --max-new-tokens 96
+	$(PY) -m qevict_core generate --prompt-file docs/sample_prompt.txt --budget 0.2 --max-new-tokens 96
 
 test: setup
 	$(PY) -m pytest

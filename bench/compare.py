@@ -1,15 +1,17 @@
-"""Paired comparisons for the rendered tables: each method against FullKV and against the best baseline at the same
+"""The rendered tables of RULER and fidelity rows (means per cell, intervals over passages) and their paired
+comparisons: each method against FullKV and against the best baseline at the same
 budget, over the samples (RULER: task and sample; fidelity: passage) both ran, with a 95% bootstrap interval
 (bench.stats). A difference is called better or worse only where its interval excludes zero."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from statistics import mean
+from statistics import mean, stdev
 
 from qevict_core.registry import METHODS
 
-from .stats import paired, paired_cell, shared
+from .stats import MARGINS, paired, paired_cell, shared
 
 # The paper's baselines that take a budget: the "best baseline" of a budget is the one of these with the best mean.
 BUDGETED_BASELINES = tuple(name for name, spec in METHODS.items() if spec.family == "eviction" and spec.kind == "method")
@@ -93,7 +95,7 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
     samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["method"] == a and r["budget"] is not None})
-    lines = [f"| budget | " + " | ".join(f"{a} − {b} {n // 1024}K" for n in lengths) + " |",
+    lines = ["| budget | " + " | ".join(f"{a} − {b} {n // 1024}K" for n in lengths) + " |",
              "|" + "---|" * (len(lengths) + 1)]
     pooled_a, pooled_b = [], []
     for budget in budgets:
@@ -113,12 +115,18 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
 
 def ruler_headline(rows: list[dict], method: str) -> str:
     """The headline of ``method``: at each budget and length its mean score, and its paired difference with FullKV
-    and with the best budgeted baseline there, string_match_all × 100 over (task, sample)."""
+    and with the best budgeted baseline there, string_match_all × 100 over (task, sample). Against FullKV, where
+    every row of the cell ran after the RULER margin was set, the non-inferiority verdict too (bench.stats)."""
     samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    margin = MARGINS["ruler"]
+    cell_rows = defaultdict(list)
+    for r in rows:
+        cell_rows[(r["method"], r["budget"], r["length"])].append(r)
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["method"] == method and r["budget"] is not None})
     lines = ["| budget | length | " + method + " | FullKV | − FullKV | best baseline | − best baseline |",
              "|---|---|---|---|---|---|---|"]
+    judged_any = False
     for budget in budgets:
         for length in lengths:
             mine = samples.get((method, budget, length), {})
@@ -129,10 +137,16 @@ def ruler_headline(rows: list[dict], method: str) -> str:
             theirs = samples[(best, budget, length)]
             vs_full = paired(*shared(mine, full)) if set(mine) & set(full) else None
             vs_best = paired(*shared(mine, theirs)) if set(mine) & set(theirs) else None
+            judged = margin.judges(cell_rows[(method, budget, length)] + cell_rows[("fullkv", None, length)])
+            judged_any |= judged
             lines.append(f"| {budget:.0%} | {length // 1024}K | {100 * mean(mine.values()):.1f} | "
-                         f"{100 * mean(full.values()):.1f} | {paired_cell(vs_full, 100, 1, 'higher')} | "
+                         f"{100 * mean(full.values()):.1f} | "
+                         f"{paired_cell(vs_full, 100, 1, 'higher', margin.size if judged else None)} | "
                          f"{best} {100 * mean(theirs.values()):.1f} | {paired_cell(vs_best, 100, 1, 'higher')} |")
-    return "\n".join(lines) + "\n"
+    note = (f"\n\"No worse\" than FullKV: against a margin of {margin.size:g} points set at {margin.set_at[:10]}, on the "
+            "cells whose rows all ran after it (non-inferiority: the one-sided 95% bound above −margin; equivalence: "
+            "both 90% bounds within ±margin); an earlier cell is not judged: its margin would come after its rows.\n")
+    return "\n".join(lines) + "\n" + (note if judged_any else "")
 
 
 def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
@@ -175,3 +189,88 @@ def drift_paired(rows: list[dict], only: tuple[str, ...] = ()) -> str:
             "bootstrap CI] (shared passages; verdict, lower is better). The best baseline of a budget is the "
             "budgeted paper baseline with the lowest mean KL there; the quantization baselines run at their own operating "
             "points, with no budget.\n\n" + "\n".join(lines) + "\n")
+
+
+def interval(values: list[float], digits: int = 3) -> str:
+    """mean ± half-width of the 95% t-interval over independent runs (passages); the mean alone for one run."""
+    from scipy.stats import t
+
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}" if values else "—"
+    half = t.ppf(0.975, len(values) - 1) * stdev(values) / math.sqrt(len(values))  # Student t at every df
+    return f"{mean(values):.{digits}f} ± {half:.{digits}f}"
+
+
+def label(method: str, budget) -> str:
+    return method if budget is None else f"{method} @{budget:.0%}"
+
+
+def ruler_text(rows: list[dict]) -> tuple[str, list[tuple]]:
+    """The RULER table (scores per task and length) and its paired comparisons, and the Pareto points."""
+    cells = defaultdict(list)
+    for r in rows:
+        cells[(r["method"], r["budget"], r["task"], r["length"])].append(r)
+    columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
+    lengths = sorted({n for _, n in columns})
+    header = (["method", "KV ratio (measured)", "K_f / K_q"] + [f"{t} {n // 1024}K" for t, n in columns]
+              + [f"avg {n // 1024}K (samples)" for n in lengths] + ["errors"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    points = []
+    for method, budget in lanes:
+        scores, ratios, errors = [], [], 0
+        for task, length in columns:
+            group = cells.get((method, budget, task, length), [])
+            scored = [r["score"] for r in group if r.get("score") is not None]  # errors are not zeros
+            errors += len(group) - len(scored)
+            scores.append(100 * mean(scored) if scored else None)
+            ratios += [r["kv_ratio"] for r in group]
+        # Per length, every sample counts once: the tasks have equal sample counts in a finished sweep.
+        per_length = [[r["score"] for (t, n) in columns if n == length
+                       for r in cells.get((method, budget, t, n), []) if r.get("score") is not None]
+                      for length in lengths]
+        averages = [100 * mean(s) if s else None for s in per_length]
+        ratio = mean(ratios) if ratios else float("nan")
+        valid = [a for a in averages if a is not None]
+        points.append((method, budget, ratio, mean(valid) if valid else None))
+        lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}", capacities(cells, method, budget)]
+                                       + [f"{s:.1f}" if s is not None else "—" for s in scores]
+                                       + [f"{a:.1f} ({len(s)})" if a is not None else "—"
+                                          for a, s in zip(averages, per_length)] + [str(errors)]) + " |")
+    return ("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
+                     "the end of generation; avg: mean over every sample of that length (sample count in brackets); "
+                     "errors: samples whose generation raised, left out of every score; K_f / K_q: tier capacities per layer "
+            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + ruler_paired(rows)), points
+
+
+def capacities(cells: dict, method: str, budget) -> str:
+    """QEvict-family rows: the tier capacities (windows per layer) their plans gave, a range over prompt lengths."""
+    rows = [r for (m, b, *_), group in cells.items() if (m, b) == (method, budget) for r in group
+            if r.get("k_full") is not None]
+    if not rows:
+        return "—"
+    def span(key):
+        low, high = min(r[key] for r in rows), max(r[key] for r in rows)
+        return str(low) if low == high else f"{low}–{high}"
+    return f"{span('k_full')} / {span('k_quant')}"
+
+
+def fidelity_text(rows: list[dict]) -> tuple[str, list[tuple]]:
+    """Means over passages with 95% t-intervals (rows without a passage index count as one passage), and paired
+    differences against the best baseline."""
+    header = ["method", "KV ratio", "K_f / K_q", "passages", "mean KL(FullKV‖method)", "top-1 agreement",
+              "perplexity", "FullKV perplexity"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["method"], r["budget"])].append(r)
+    points = []
+    for (method, budget), group in sorted(groups.items(), key=lambda g: (g[0][1] or 2, g[0][0])):
+        ratio, top1 = mean(r["kv_ratio"] for r in group), mean(r["top1"] for r in group)
+        lines.append(f"| {label(method, budget)} | {ratio:.3f} | {capacities(groups, method, budget)} | "
+                     f"{len(group)} | "
+                     f"{interval([r['kl'] for r in group], 4)} | {interval([r['top1'] for r in group])} | "
+                     f"{interval([r['ppl'] for r in group], 2)} | {mean(r['ppl_fullkv'] for r in group):.2f} |")
+        points.append((method, budget, ratio, top1))
+    return ("Mean over passages ± half-width of the 95% t-interval; K_f / K_q: tier capacities per layer "
+            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + fidelity_paired(rows)), points

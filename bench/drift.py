@@ -27,7 +27,8 @@ from tqdm import tqdm  # noqa: E402
 
 from .common import RESULTS, add_model_args, append_jsonl, method_lanes, read_jsonl, setup  # noqa: E402
 from .fidelity import measure, passage_tokens  # noqa: E402
-from .report import COLORS, interval, label  # noqa: E402
+from .compare import interval, label  # noqa: E402
+from .report import COLORS  # noqa: E402
 
 def binned(values: list[float], width: int) -> list[float]:
     return [mean(values[i:i + width]) for i in range(0, len(values), width)]

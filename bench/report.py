@@ -1,15 +1,23 @@
-"""Tables and plots from benchmark JSONL: markdown tables, Pareto plots (PNG + interactive HTML), the FMM curve and
-the tier-mass chart. ``python -m bench.report`` re-renders the table and Pareto plot of every RULER folder
-(``ruler-*.jsonl``) and fidelity folder (``fidelity.jsonl``) under bench/results/, then every table marked in the docs (bench/markers.py);
-the other benchmarks render their own tables when they run."""
+"""Every table in the docs, rendered from committed JSONL, and the Pareto plots.
+
+A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
+replaces what lies between with the table of KIND rendered from the rows under ``bench/results/FOLDER``, each with a
+footing line read from the rows (what the caches were stored in, the commits, rows from a dirty tree), and redraws
+the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds:
+``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``; ``versus=A,B`` /
+``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M against FullKV
+and the best baseline at each budget and length; ``drift`` / ``drift=A,B``: KL over a long decode and its slope,
+paired against the best baseline, for every method or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM
+plugin's rows. ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may
+name several folders joined by ``+`` (their rows are read together).
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
+import re
 from collections import defaultdict
 from pathlib import Path
-from statistics import mean, stdev
 
 import matplotlib
 
@@ -18,26 +26,128 @@ import matplotlib.pyplot as plt  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
 from .common import RESULTS, read_jsonl  # noqa: E402
-from .compare import fidelity_paired, ruler_paired  # noqa: E402
-from .markers import update_documents  # noqa: E402
+from .compare import fidelity_text, ruler_text  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md",
+             "docs/engine.md", "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
+MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
+
 
 COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
           "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",
           "kivi2": "#ca8a04", "kivi4": "#a16207", "qevict_nopromo": "#65a30d", "r1": "#f97316", "r2": "#fb923c"}
 
 
-def interval(values: list[float], digits: int = 3) -> str:
-    """mean ± half-width of the 95% t-interval over independent runs (passages); the mean alone for one run."""
-    from scipy.stats import t
+def render(kind: str, folders: str, results: Path = RESULTS) -> str:
+    from .choice import choose, table
 
-    if len(values) < 2:
-        return f"{values[0]:.{digits}f}" if values else "—"
-    half = t.ppf(0.975, len(values) - 1) * stdev(values) / math.sqrt(len(values))  # Student t at every df
-    return f"{mean(values):.{digits}f} ± {half:.{digits}f}"
+    paths = [results / f for f in folders.split("+")]
+    missing = [str(p) for p in paths if not p.is_dir()]
+    if missing:
+        raise ValueError(f"no results folder {missing} for a {kind} table")
+    if kind.startswith("versus="):  # versus=A,B: A minus B, paired
+        from .compare import ruler_versus
+
+        a, b = kind.split("=", 1)[1].split(",")
+        return ruler_versus(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))), a, b)
+    if kind.startswith("headline="):  # headline=M: M's score, minus FullKV and minus the best baseline, per cell
+        from .compare import ruler_headline
+
+        return ruler_headline(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))),
+                              kind.split("=", 1)[1])
+    if kind.startswith("kl_versus="):  # kl_versus=A,B: A's fidelity minus B's, paired over passages
+        from .compare import fidelity_versus
+
+        a, b = kind.split("=", 1)[1].split(",")
+        return fidelity_versus(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))), a, b)
+    if kind in ("vllm_needle", "vllm_serve"):
+        from .vllm_tables import needle_table, serve_table
+
+        name, table_of = {"vllm_needle": ("needle.jsonl", needle_table), "vllm_serve": ("serve.jsonl", serve_table)}[kind]
+        return table_of(read_jsonl(sorted(f for p in paths for f in p.glob(name))))
+    if kind == "drift" or kind.startswith("drift="):
+        from .compare import drift_paired
+
+        only = tuple(kind.split("=", 1)[1].split(",")) if "=" in kind else ()
+        return drift_paired(read_jsonl(sorted(f for p in paths for f in p.glob("drift.jsonl"))), only)
+    if kind == "ruler":
+        return ruler_text(read_jsonl(sorted(f for p in paths for f in p.glob("ruler-*.jsonl"))))[0]
+    if kind == "fidelity":
+        return fidelity_text(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))))[0]
+    if kind == "tpot":
+        from .tpot import table as tpot_table
+
+        rows = read_jsonl(sorted(f for p in paths for f in p.glob("tpot-*.jsonl")))
+        return tpot_table(rows, rows[0])
+    if kind == "studio_latency":
+        from .studio_latency import table as latency_table
+
+        return latency_table(read_jsonl(sorted(f for p in paths for f in p.glob("studio_latency.jsonl"))))
+    if kind == "speed":
+        from .speed import speed_table
+
+        rows = read_jsonl(sorted(f for p in paths for f in p.glob("speed-*.jsonl")))
+        return speed_table(rows, rows[0])
+    if kind == "conditions":
+        import json
+
+        from .conditions import table_text
+
+        return table_text(json.loads((paths[0] / "diagnostics.json").read_text()))
+    if kind == "choice":
+        ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
+        fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
+        return table(choose(ruler, fidelity, "qevict"), "qevict")
+    raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
+                     "choice, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
 
 
-def label(method: str, budget) -> str:
-    return method if budget is None else f"{method} @{budget:.0%}"
+def footing(folders: str, results: Path = RESULTS) -> str:
+    """One line under a table: what its caches were stored in and whether its rows came from committed code, read
+    from the rows themselves (every JSONL under the folders)."""
+    rows = read_jsonl(sorted(f for name in folders.split("+") for f in (results / name).rglob("*.jsonl")))
+    if not rows:
+        return ""
+    stored = sorted({r.get("kv_dtype") or "" for r in rows})
+    words = []
+    for dtype in stored:
+        if dtype:
+            words.append(f"{dtype} (`kv_dtype`)")
+        elif all(str(r.get("device", "cpu")).startswith("cpu") for r in rows if not r.get("kv_dtype")):
+            words.append("float32, the model's dtype on this CPU (rows from before 16-bit caches: their budgets are "
+                         "shares of a float32 cache, which counts a low-bit window at half the share it has in 16 bits)")
+        else:
+            words.append("the model's dtype (rows from before 16-bit caches)")
+    dirty = sum(bool(r.get("dirty")) for r in rows)
+    commits = sorted({r["commit"] for r in rows if r.get("commit")})
+    line = f"*Caches stored in {' and '.join(words)}. Rows: {len(rows)}"
+    line += f" at commit{'s' if len(commits) > 1 else ''} {', '.join(commits[:4])}{' …' if len(commits) > 4 else ''}"
+    line += f", {dirty} from a tree with uncommitted changes.*" if dirty else ".*"
+    return line
+
+
+def rendered(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every marked table rendered afresh, each with its footing line."""
+    def table(m) -> str:
+        body = render(m.group(2), m.group(3), results).rstrip("\n")
+        line = footing(m.group(3), results) if m.group(2) != "conditions" else ""
+        return m.group(1) + body + ("\n\n" + line if line else "") + "\n" + m.group(5)
+    return MARKER.sub(table, text)
+
+
+def update_documents(root: Path = ROOT, results: Path = RESULTS) -> list[Path]:
+    """Rewrite the marked tables of every document; -> the documents that changed."""
+    changed = []
+    for name in DOCUMENTS:
+        path = root / name
+        if path.exists():
+            text = path.read_text()
+            fresh = rendered(text, results)
+            if fresh != text:
+                path.write_text(fresh)
+                changed.append(path)
+    return changed
 
 
 def ruler_report(rows: list[dict], out: Path) -> Path:
@@ -48,56 +158,6 @@ def ruler_report(rows: list[dict], out: Path) -> Path:
     table.write_text(text)
     pareto(points, "RULER (default tasks): score vs measured KV memory", "score (×100)", out / "ruler_pareto")
     return table
-
-
-def ruler_text(rows: list[dict]) -> tuple[str, list[tuple]]:
-    """The RULER table (scores per task and length) and its paired comparisons, and the Pareto points."""
-    cells = defaultdict(list)
-    for r in rows:
-        cells[(r["method"], r["budget"], r["task"], r["length"])].append(r)
-    columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (c[1], c[0]))
-    lanes = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda m: (m[1] or 2, m[0]))
-    lengths = sorted({n for _, n in columns})
-    header = (["method", "KV ratio (measured)", "K_f / K_q"] + [f"{t} {n // 1024}K" for t, n in columns]
-              + [f"avg {n // 1024}K (samples)" for n in lengths] + ["errors"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    points = []
-    for method, budget in lanes:
-        scores, ratios, errors = [], [], 0
-        for task, length in columns:
-            group = cells.get((method, budget, task, length), [])
-            scored = [r["score"] for r in group if r.get("score") is not None]  # errors are not zeros
-            errors += len(group) - len(scored)
-            scores.append(100 * mean(scored) if scored else None)
-            ratios += [r["kv_ratio"] for r in group]
-        # Per length, every sample counts once: the tasks have equal sample counts in a finished sweep.
-        per_length = [[r["score"] for (t, n) in columns if n == length
-                       for r in cells.get((method, budget, t, n), []) if r.get("score") is not None]
-                      for length in lengths]
-        averages = [100 * mean(s) if s else None for s in per_length]
-        ratio = mean(ratios) if ratios else float("nan")
-        valid = [a for a in averages if a is not None]
-        points.append((method, budget, ratio, mean(valid) if valid else None))
-        lines.append("| " + " | ".join([label(method, budget), f"{ratio:.3f}", capacities(cells, method, budget)]
-                                       + [f"{s:.1f}" if s is not None else "—" for s in scores]
-                                       + [f"{a:.1f} ({len(s)})" if a is not None else "—"
-                                          for a, s in zip(averages, per_length)] + [str(errors)]) + " |")
-    return ("Scores: string_match_all × 100, mean over samples; KV ratio: measured bytes / FullKV bytes at "
-                     "the end of generation; avg: mean over every sample of that length (sample count in brackets); "
-                     "errors: samples whose generation raised, left out of every score; K_f / K_q: tier capacities per layer "
-            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + ruler_paired(rows)), points
-
-
-def capacities(cells: dict, method: str, budget) -> str:
-    """QEvict-family rows: the tier capacities (windows per layer) their plans gave, a range over prompt lengths."""
-    rows = [r for (m, b, *_), group in cells.items() if (m, b) == (method, budget) for r in group
-            if r.get("k_full") is not None]
-    if not rows:
-        return "—"
-    def span(key):
-        low, high = min(r[key] for r in rows), max(r[key] for r in rows)
-        return str(low) if low == high else f"{low}–{high}"
-    return f"{span('k_full')} / {span('k_quant')}"
 
 
 def pareto(points: list[tuple], title: str, ylabel: str, stem: Path) -> None:
@@ -139,27 +199,6 @@ def fidelity_report(rows: list[dict], out: Path) -> Path:
     pareto(points, "Fidelity: top-1 agreement with FullKV vs measured KV memory", "top-1 agreement",
            out / "fidelity_pareto")
     return table
-
-
-def fidelity_text(rows: list[dict]) -> tuple[str, list[tuple]]:
-    """Means over passages with 95% t-intervals (rows without a passage index count as one passage), and paired
-    differences against the best baseline."""
-    header = ["method", "KV ratio", "K_f / K_q", "passages", "mean KL(FullKV‖method)", "top-1 agreement",
-              "perplexity", "FullKV perplexity"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    groups = defaultdict(list)
-    for r in rows:
-        groups[(r["method"], r["budget"])].append(r)
-    points = []
-    for (method, budget), group in sorted(groups.items(), key=lambda g: (g[0][1] or 2, g[0][0])):
-        ratio, top1 = mean(r["kv_ratio"] for r in group), mean(r["top1"] for r in group)
-        lines.append(f"| {label(method, budget)} | {ratio:.3f} | {capacities(groups, method, budget)} | "
-                     f"{len(group)} | "
-                     f"{interval([r['kl'] for r in group], 4)} | {interval([r['top1'] for r in group])} | "
-                     f"{interval([r['ppl'] for r in group], 2)} | {mean(r['ppl_fullkv'] for r in group):.2f} |")
-        points.append((method, budget, ratio, top1))
-    return ("Mean over passages ± half-width of the 95% t-interval; K_f / K_q: tier capacities per layer "
-            "(QEvict family, rows that recorded them).\n\n" + "\n".join(lines) + "\n\n" + fidelity_paired(rows)), points
 
 
 def main(argv=None) -> None:

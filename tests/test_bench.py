@@ -173,7 +173,7 @@ def test_fidelity_lane_with_a_config_field_changed():
 
 
 def test_t_interval_follows_its_definition():
-    from bench.report import interval
+    from bench.compare import interval
 
     # mean 2, sample sd 1, n = 3: half-width t(0.975, 2) * 1 / sqrt(3) = 4.3027 / 1.7321 = 2.484
     assert interval([1.0, 2.0, 3.0]) == "2.000 ± 2.484"

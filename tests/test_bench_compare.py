@@ -13,7 +13,7 @@ def _rows(method, budget, scores, length=2048):
 def test_headline_pairs_with_fullkv_and_the_baseline_with_the_best_mean():
     rows = (_rows("fullkv", None, [1.0] * 20) + _rows("qevict", 0.1, [1.0] * 20)
             + _rows("snapkv", 0.1, [0.0] * 20) + _rows("h2o", 0.1, [1.0] * 5 + [0.0] * 15))
-    lines = ruler_headline(rows, "qevict").splitlines()
+    lines = [line for line in ruler_headline(rows, "qevict").splitlines() if line.startswith("|")]
     assert len(lines) == 3  # header, rule, one budget at one length
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:4] == ["10%", "2K", "100.0", "100.0"]
@@ -97,3 +97,39 @@ def test_a_paired_comparison_says_what_it_could_detect_and_its_exact_sign_test()
                                                           f"{result.sign_p:.2g})")
     same = paired([1.0, 0.0, 1.0], [1.0, 0.0, 1.0])
     assert same.detectable is None and same.sign_p == 1.0 and "detects —" in paired_cell(same, 100, 1, "higher")
+
+
+@pytest.mark.parametrize("low90, high90, better, verdict", [
+    (-0.02, 0.03, "higher", "equivalent within ±5"),         # both 90% bounds inside ±5 points: TOST
+    (-0.04, 0.08, "higher", "no worse than −5"),             # only the lower bound clears −5
+    (-0.07, 0.01, "higher", "not shown no worse than −5"),   # the lower bound reaches past −5
+    (-0.08, 0.04, "lower", "no worse than −5"),              # lower is better: the upper bound is the bad side
+    (-0.01, 0.06, "lower", "not shown no worse than −5"),
+])
+def test_no_worse_is_a_one_sided_bound_against_a_margin(low90, high90, better, verdict):
+    from bench.stats import Paired
+
+    result = Paired(0.0, low90 - 0.01, high90 + 0.01, 100, 0.2, 1.0, low90, high90)
+    assert result.no_worse(5, better, scale=100) == verdict
+
+
+def test_the_ninety_percent_bounds_lie_inside_the_ninety_five():
+    from bench.stats import paired
+
+    result = paired([1.0] * 30 + [0.0] * 10, [1.0] * 25 + [0.0] * 15)
+    assert result.low <= result.low90 < result.mean < result.high90 <= result.high and result.low < result.high90
+
+
+def test_the_headline_judges_no_worse_only_on_rows_run_after_the_margin_was_set():
+    from bench.stats import MARGINS
+
+    margin = MARGINS["ruler"]
+    rows = (_rows("fullkv", None, [1.0] * 100) + _rows("qevict", 0.1, [1.0] * 99 + [0.0])
+            + _rows("snapkv", 0.1, [0.0] * 100))
+    before = [{**r, "time": "2026-01-01T00:00:00+00:00"} for r in rows]
+    after = [{**r, "time": "2099-01-01T00:00:00+00:00"} for r in rows]
+    assert not margin.judges(before) and margin.judges(after) and not margin.judges(after + [rows[0]])
+    old, fresh = (ruler_headline(r, "qevict").splitlines()[2] for r in (before, after))
+    assert "within ±" not in old and "no worse" not in old and "margin" not in ruler_headline(before, "qevict")
+    assert "margin of 5 points" in ruler_headline(after, "qevict")
+    assert f"equivalent within ±{margin.size:g}" in fresh  # one miss in 100: the 90% bounds are −3 and 0

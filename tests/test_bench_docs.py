@@ -4,7 +4,7 @@ import pytest
 
 import json
 
-from bench.markers import DOCUMENTS, MARKER, ROOT, footing, render, rendered
+from bench.report import DOCUMENTS, MARKER, ROOT, footing, render, rendered
 
 
 @pytest.mark.parametrize("name", DOCUMENTS)

@@ -15,7 +15,7 @@ from qevict_core.cli import encode_prompt
 from tests.conftest import KV
 
 pytestmark = pytest.mark.slow
-AUSTEN = Path(__file__).resolve().parents[1] / "bench" / "data" / "austen.txt"
+AUSTEN = Path(__file__).resolve().parents[1] / "ui" / "data" / "austen.txt"
 
 
 def passage_prompt(tokenizer, tokens: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-AUSTEN = Path(__file__).resolve().parents[1] / "bench" / "data" / "austen.txt"
+AUSTEN = Path(__file__).resolve().parent / "data" / "austen.txt"
 # Written by `python -m bench.promotion_example`: a needle whose window QEvict demotes and promotes back.
 PROMOTION = Path(__file__).with_name("promotion_example.json")
 

@@ -1,7 +1,7 @@
 """Rebuild ``austen.txt`` from Debian's r-cran-janeaustenr package (public-domain novels).
 
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb /tmp/jane
-    pip install rdata && python bench/data/extract_austen.py /tmp/jane
+    pip install rdata && python ui/data/extract_austen.py /tmp/jane
 
 The package stores the novels as an R lazy-load database (Rdata.rdx index, Rdata.rdb records); each record is a
 4-byte length, then zlib data (or a type byte for bzip2/xz) of an R-serialized character vector of lines.
