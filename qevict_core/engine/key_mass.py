@@ -15,6 +15,8 @@ import torch
 # let prefill skip the keys that no query of the chunk can see yet (about half of a causal prompt).
 CHUNK_ELEMENTS = 1 << 24
 CHUNK_QUERIES = 256
+# Query blocks up to this long (decode steps) mask densely, without a host round trip; longer ones sparsely
+DENSE_MASK_QUERIES = 4
 
 
 def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor,
@@ -33,7 +35,12 @@ def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
 
 def causal_softmax(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """Softmax over N of logits (B, Hkv, G, q, N), keys later than a query hidden from it (masked in place)."""
-    # Only keys newer than the oldest query can be hidden from some query; keys come in any order, so find them
+    if logits.shape[3] <= DENSE_MASK_QUERIES:
+        # A decode step: the whole (q, N) mask is 1/D of the scores' work and asks the host nothing, so the step
+        # never waits for the device (and stays capturable in a CUDA graph)
+        hidden = key_pos[:, None, None, None, :] > query_pos[None, None, None, :, None]  # (B, 1, 1, q, N)
+        return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+    # Longer query blocks (a routing event's observation window): only keys newer than the oldest query can be hidden from some query; keys come in any order, so find them
     # first and mask just those columns (the whole (q, N) mask cost more than the scores at a routing event).
     later = (key_pos > query_pos.min()).any(dim=0).nonzero().flatten()
     if later.numel():
