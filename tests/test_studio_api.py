@@ -75,5 +75,6 @@ def test_the_published_schema_is_the_validators():
     assert params["lane1"]["enum"] == [NO_LANE, *METHODS] and "qevict_nopromo" in params["lane2"]["enum"]
     assert params["budget"]["minimum"] == 0.01 and params["omega"] == {"type": "integer", "minimum": 1, "maximum": 64}
     assert params["layer"]["maximum"] == 2 and params["shown_lane"]["anyOf"][0] == {"type": "string"}
+    assert params["present"] == {"type": "boolean"}
     for bits in params["bits"]["enum"]:
         parse_request(Controls.lanes(["qevict"], prompt="hi", bits=bits, max_new_tokens=4))

@@ -12,6 +12,7 @@ from tests.conftest import tiny_chat_model, tiny_tokenizer
 from tests.studio_calls import diagnostics_text, request
 from ui.control import TabRuns
 from ui.examples import EXAMPLES
+from ui.form import Controls
 from ui.named import Outputs, keep, wire
 from ui.outputs import At, Shown, ViewOutputs
 from ui.replay_tab import ReplayHandlers
@@ -57,6 +58,34 @@ def test_the_lane_picker_chooses_whose_routing_is_drawn(studio):
     out = ReplayHandlers(studio, TabRuns()).show_replay(final.session_id, None, Shown(0, 1, "qevict_head"))
     assert out.shown_lane["choices"] == ["qevict", "qevict_head"] and out.shown_lane["value"] == "qevict_head"
     assert out.view.tier.layout.title.text.startswith("qevict_head: layer 0, KV head 1")
+
+
+
+def test_presentation_mode_draws_the_routing_large_and_a_non_boolean_is_refused(studio):
+    from ui.plots import LARGE
+
+    final = list(studio.run(request(methods=("fullkv", "qevict"), max_new=16)))[-1]
+    at = RunHandlers(studio, TabRuns()).pickers.at
+    normal, large = (ViewOutputs.routing(final.view, at(Shown(0, 0, "qevict", present), final.view))
+                     for present in (False, True))
+    for figure in ("tier", "heat"):
+        small, big = getattr(normal, figure).layout, getattr(large, figure).layout
+        assert big.title.font.size == round(small.title.font.size * LARGE) and big.height > small.height
+    promoted = [t for t in large.tier.data if t.name == "promoted ▲"][0]
+    assert promoted.marker.size == round(13 * LARGE)  # the marks grow with the type
+    refused = list(RunHandlers(studio, TabRuns()).generate(
+        Controls.lanes(["qevict"], prompt="hi", max_new_tokens=2), Shown(present="yes")))
+    assert refused[-1].status.startswith("**Cannot run:** present: must be true or false (got 'yes')")
+
+
+def test_a_share_link_asks_for_presentation_mode(studio):
+    class Request:
+        def __init__(self, query):
+            self.query_params, self.session_hash = query, "tab"
+
+    saved = SessionHandlers(ReplayHandlers(studio, TabRuns()))
+    assert saved.on_load(Shown(), [], Request({"present": "1"})).present is True
+    assert saved.on_load(Shown(), [], Request({})).present == gr.skip()
 
 
 def test_a_draft_survives_a_reload_and_a_restart_says_so(studio):
@@ -130,9 +159,15 @@ def test_wire_passes_components_by_name_and_returns_fields_in_their_order():
         status: object = keep()
         panel: Panel = None
 
+    @dataclass
+    class Pickers:
+        layer: object = 0
+        head: object = 0
+        shown_lane: object = None
+
     seen = {}
 
-    def handler(session_id: str, shown: Shown, request: gr.Request) -> Answer:
+    def handler(session_id: str, shown: Pickers, request: gr.Request) -> Answer:
         seen.update(session_id=session_id, shown=shown, request=request)
         return Answer(status="ok", panel=Panel(moves="m"))
 
@@ -142,7 +177,7 @@ def test_wire_passes_components_by_name_and_returns_fields_in_their_order():
          {"session_id": "ID", "shown": group, "status": "ST", "panel": group})
     assert wired["inputs"] == ["ID", "L", "H", "S"] and wired["outputs"] == ["ST", "T", "M"]
     out = wired["fn"]("abc", 2, 1, "qevict", "the request")  # as Gradio calls it: inputs, then its request
-    assert seen == {"session_id": "abc", "shown": Shown(2, 1, "qevict"), "request": "the request"}
+    assert seen == {"session_id": "abc", "shown": Pickers(2, 1, "qevict"), "request": "the request"}
     assert out[0] == "ok" and out[1] == gr.skip() and out[2] == "m"  # a field left unset keeps its component
     with pytest.raises(KeyError, match="no component named 'panel'"):
         wire(lambda *a: None, handler, {"session_id": "ID", "shown": group, "status": "ST"})
@@ -156,10 +191,11 @@ def test_the_studio_wires_each_name_to_its_component():
     demo = app.create_demo(tiny_chat_model(), tiny_tokenizer(), database_url="sqlite://", model_name="tiny")
     by_fn = {}
     for dep in demo.fns.values():
-        by_fn.setdefault(dep.fn.__name__, dep)
+        if dep.fn is not None:  # not a listener that runs in the browser alone (presentation mode's class)
+            by_fn.setdefault(dep.fn.__name__, dep)
     ids = lambda dep: [getattr(block, "elem_id", None) for block in dep.outputs]  # noqa: E731
     load = ids(by_fn["on_load"])
-    assert load[1] == "replay-id" and load[2] == "replay-status" and load[-1] == "sessions-table"
+    assert load[1] == "replay-id" and load[2] == "replay-status" and load[-2:] == ["sessions-table", "present"]
     panels = [f"{name}" for name in ("lanes", "stats", "bytes", "tier-map", "heatmap", "moves", "prompt-tiers")]
     assert ids(by_fn["generate"])[:9] == ["status", *panels, "share"]
     assert [name for (name,) in ViewOutputs.names()] == ["lanes", "stats", "memory", "tier", "heat", "moves", "prompt"]

@@ -26,6 +26,7 @@ from .glossary import GLOSSARY
 from .studio import Studio
 
 DEFAULTS = Controls()  # what the form opens with
+PRESENT_JS = "(on) => { document.body.classList.toggle('qe-present', on === true); }"
 INTRO = """# QEvict studio
 Run one prompt through up to three KV caches side by side at the **same byte budget**: the uncompressed cache
 (FullKV), a baseline and QEvict, which keeps most windows of past tokens in 4 bits that still take part in
@@ -42,10 +43,11 @@ def methods_markdown() -> str:
               "|---|---|\n" + "\n".join(ablations))
 
 
-def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
+def view_panel(prefix: str, layers: int, heads: int, present: gr.Checkbox) -> SimpleNamespace:
     """What a run looks like, live (Run tab) or replayed: lanes, stats, bytes, pickers, routing views. Each
-    drawing's attribute is its field of ``outputs.ViewOutputs``; the pickers' are those of ``outputs.Shown``."""
-    p = SimpleNamespace()
+    drawing's attribute is its field of ``outputs.ViewOutputs``; the pickers' are those of ``outputs.Shown``
+    (``present``, the page's presentation-mode box, is every view's)."""
+    p = SimpleNamespace(present=present)
     p.lanes = gr.HTML(elem_id=f"{prefix}lanes")
     p.stats = gr.Dataframe(headers=["measure"], interactive=False, elem_id=f"{prefix}stats", wrap=True,
                            max_height=440, column_widths=["34%"],
@@ -60,7 +62,7 @@ def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
         p.head = FormSlider(0, heads - 1, value=0, step=1, elem_id=f"{prefix}head", scale=2, min_width=160,
                             label=f"KV head, for a lane routed per head (0–{heads - 1})").declare(
                                 {**api_schema("head"), "maximum": heads - 1})
-    with gr.Row(equal_height=False):
+    with gr.Row(equal_height=False, elem_classes="qe-routing"):
         p.tier = gr.Plot(label="Tier map", show_label=False, elem_id=f"{prefix}tier-map", min_width=320)
         p.heat = gr.Plot(label="Cumulative scores", show_label=False, elem_id=f"{prefix}heatmap", min_width=320)
     p.moves = gr.HTML(elem_id=f"{prefix}moves")
@@ -68,7 +70,7 @@ def view_panel(prefix: str, layers: int, heads: int) -> SimpleNamespace:
     return p
 
 
-def run_tab(studio: Studio) -> SimpleNamespace:
+def run_tab(studio: Studio, present: gr.Checkbox) -> SimpleNamespace:
     t = SimpleNamespace()
     with gr.Row():
         with gr.Column(scale=3, min_width=300):
@@ -90,7 +92,7 @@ def run_tab(studio: Studio) -> SimpleNamespace:
                                   label="KV budget: share of FullKV's bytes (0.01–1)").declare(api_schema("budget"))
             t.max_new_tokens = FormSlider(1, MAX_NEW_TOKENS, value=DEFAULTS.max_new_tokens, step=1, elem_id="max-new",
                                    label=f"Max new tokens (1–{MAX_NEW_TOKENS})").declare(api_schema("max_new_tokens"))
-            with gr.Accordion("QEvict settings", open=False):
+            with gr.Accordion("QEvict settings", open=False, elem_classes="qe-aside"):
                 with gr.Row():
                     t.omega = FormSlider(1, 64, value=DEFAULTS.omega, step=1,
                                          label="Ω: window and routing interval, tokens (1–64)").declare(
@@ -121,16 +123,16 @@ def run_tab(studio: Studio) -> SimpleNamespace:
         t.generate = gr.Button("Generate", variant="primary", elem_id="generate")
         t.stop = gr.Button("Stop", elem_id="stop")
     t.status = gr.Markdown(elem_id="status")
-    t.view = view_panel("", studio.num_layers, studio.num_kv_heads)
+    t.view = view_panel("", studio.num_layers, studio.num_kv_heads, present)
     t.share = gr.Markdown(elem_id="share")
-    with gr.Accordion("What each method keeps", open=False):
+    with gr.Accordion("What each method keeps", open=False, elem_classes="qe-aside"):
         gr.Markdown(methods_markdown(), elem_id="methods")
-    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False, elem_classes="qe-aside"):
         gr.Markdown(GLOSSARY, elem_id="glossary")
     return t
 
 
-def replay_tab(studio: Studio) -> SimpleNamespace:
+def replay_tab(studio: Studio, present: gr.Checkbox) -> SimpleNamespace:
     r = SimpleNamespace()
     with gr.Row():
         r.id = gr.Textbox(label="Session id", elem_id="replay-id", scale=3)
@@ -141,12 +143,12 @@ def replay_tab(studio: Studio) -> SimpleNamespace:
         r.play = gr.Button("Play", elem_id="replay-play", scale=1, min_width=80)
         r.pause = gr.Button("Pause", elem_id="replay-pause", scale=1, min_width=80)
     r.timer = gr.Timer(0.4, active=False)
-    r.view = view_panel("replay-", studio.num_layers, studio.num_kv_heads)
+    r.view = view_panel("replay-", studio.num_layers, studio.num_kv_heads, present)
     r.diagnose = gr.Button("Diagnostics against FullKV attention", elem_id="replay-diagnose")
     r.diagnostics = gr.Markdown(elem_id="replay-diagnostics")
     r.time = gr.Button("Time the lanes alone (interleaved, as bench.tpot)", elem_id="replay-time")
     r.timing = gr.Markdown(elem_id="replay-timing")
-    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False):
+    with gr.Accordion("Glossary: tiers, columns, diagnostics", open=False, elem_classes="qe-aside"):
         gr.Markdown(GLOSSARY)
     return r
 
@@ -185,12 +187,14 @@ def build_demo(studio: Studio) -> gr.Blocks:
         # what the tab has typed: a reload or a server restart gives it back
         draft = gr.BrowserState(None, storage_key="qevict-draft",
                                 secret=os.environ.get("QEVICT_BROWSER_SECRET", "qevict-studio"))
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO, elem_id="intro")
+        present = gr.Checkbox(False, label="Presentation mode: large type, one lane's routing in focus (a link with "
+                              "&present=1 opens in it)", elem_id="present", container=False)
         with gr.Tabs(selected="run") as tabs:
             with gr.Tab("Run", id="run"):
-                t = run_tab(studio)
+                t = run_tab(studio, present)
             with gr.Tab("Replay", id="replay"):
-                r = replay_tab(studio)
+                r = replay_tab(studio, present)
             with gr.Tab("Sessions", id="sessions") as sessions_page:
                 s = sessions_tab()
         v, rv = t.view, r.view
@@ -213,16 +217,18 @@ def build_demo(studio: Studio) -> gr.Blocks:
              draft, **private)
         wire(demo.load, run.restore_draft, on, **private)
         wire(t.stop.click, run.request_stop, on, t.status, queue=False, **private)
-        wire(_on([v.layer.change, v.head.change, v.shown_lane.change]), run.redraw_routing, {**vars(v), "shown": v},
-             **private)
+        # presentation mode: the page's type by a class on the body, the figures redrawn at their large size
+        present.change(None, present, None, js=PRESENT_JS, **private)
+        wire(_on([v.layer.change, v.head.change, v.shown_lane.change, present.change]), run.redraw_routing,
+             {**vars(v), "shown": v}, **private)
 
         # -- replay
         replayed = SimpleNamespace(status=r.status, step=r.step, shown_lane=rv.shown_lane, view=rv)
         on = {**vars(replayed), "session_id": r.id, "shown": rv, "timer": r.timer}
         wire(r.load.click, replay.load_replay, on, **private)
         # always_last: a dragged step slider ends on the step it was let go at, not the first one it passed
-        wire(_on([r.step.input, rv.layer.change, rv.head.change, rv.shown_lane.input]), replay.show_replay, on,
-             trigger_mode="always_last", **private)
+        wire(_on([r.step.input, rv.layer.change, rv.head.change, rv.shown_lane.input, present.change]),
+             replay.show_replay, on, trigger_mode="always_last", **private)
         wire(r.play.click, replay.play, on, r.timer, **private)
         wire(r.pause.click, replay.pause, on, r.timer, **private)
         wire(r.timer.tick, replay.tick, on, **private)
@@ -232,7 +238,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
 
         # -- sessions, deep links and cleanup
         on = {"owned": owned, "session_id": s.id, "token": s.token, "upload": s.upload, "shown": rv, "tabs": tabs,
-              "replay_id": r.id, "replay": replayed, "table": s.table}
+              "replay_id": r.id, "replay": replayed, "table": s.table, "present": present}
         wire(_on([owned.change, sessions_page.select]), saved.list_sessions, on, s.table, **private)
         wire(s.table.select, saved.pick_row, on, s.id, **private)
         wire(s.open.click, saved.open_session, on, **private)

@@ -20,12 +20,13 @@ NO_RUN = plots.empty_figure("No run yet.")
 
 @dataclass
 class Shown:
-    """A view's pickers as sent (an API client can send anything): the layer and KV head drawn, and the lane whose
-    routing is drawn."""
+    """A view's pickers as sent (an API client can send anything): the layer and KV head drawn, the lane whose
+    routing is drawn, and whether the figures are drawn for a projector (presentation mode)."""
 
     layer: Any = 0
     head: Any = 0
     shown_lane: Any = None
+    present: Any = False
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class At:
     layer: int
     head: int
     lane: str | None
+    present: bool = False  # large type and figures (presentation mode)
 
 
 def panel(draw: Callable[[RunView, At], Any], blank: Callable[[], Any], routing: bool = False):
@@ -50,8 +52,9 @@ class ViewOutputs(Outputs):
     lanes: Any = panel(lambda view, at: cards.lanes_html(view), lambda: "")
     stats: Any = panel(lambda view, at: cards.stats_table(view), lambda: {"headers": ["measure"], "data": []})
     memory: Any = panel(lambda view, at: plots.bytes_plot(view), lambda: NO_RUN)
-    tier: Any = panel(lambda view, at: plots.tier_map(view, at.lane, at.layer, at.head), lambda: NO_RUN, True)
-    heat: Any = panel(lambda view, at: plots.score_heatmap(view, at.lane, at.head), lambda: NO_RUN, True)
+    tier: Any = panel(lambda view, at: plots.tier_map(view, at.lane, at.layer, at.head, at.present), lambda: NO_RUN,
+                      True)
+    heat: Any = panel(lambda view, at: plots.score_heatmap(view, at.lane, at.head, at.present), lambda: NO_RUN, True)
     moves: Any = panel(lambda view, at: cards.moves_html(view, at.lane, at.layer, at.head), lambda: "", True)
     prompt: Any = panel(lambda view, at: cards.prompt_html(view, at.lane, at.layer, at.head), lambda: "", True)
 
@@ -108,6 +111,7 @@ class OpenOutputs(Outputs):
 @dataclass
 class LoadOutputs(OpenOutputs):
     table: Any = keep()  # this browser's sessions
+    present: Any = keep()  # presentation mode, when the link asks for it (&present=1)
 
 
 @dataclass

@@ -31,13 +31,17 @@ MAX_CELLS = 120_000
 MAX_EVENTS_DRAWN = 240
 MAX_WINDOWS_DRAWN = 1_000
 TOP_LEGEND = {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "font": {"size": 11}}
+# Presentation mode (a projector): every size of a routing figure times this, type and marks alike
+LARGE = 1.6
 
 
-def _layout(fig: go.Figure, title: str, height: int = 380, bottom: int = 45) -> go.Figure:
+def _layout(fig: go.Figure, title: str, height: int = 380, bottom: int = 45, large: bool = False) -> go.Figure:
+    k = LARGE if large else 1.0
     # The toolbar stands upright at the right edge, so it never covers the title on a narrow screen.
-    fig.update_layout(template="none", height=height, margin={"l": 50, "r": 30, "t": 70, "b": bottom},
-                      title={"text": title, "font": {"size": 13}, "y": 0.98, "yanchor": "top"}, legend=TOP_LEGEND,
-                      modebar={"orientation": "v"})
+    fig.update_layout(template="none", height=round(height * k), font={"size": round(12 * k)},
+                      margin={"l": round(50 * k), "r": 30, "t": round(70 * k), "b": round(bottom * k)},
+                      title={"text": title, "font": {"size": round(13 * k)}, "y": 0.98, "yanchor": "top"},
+                      legend={**TOP_LEGEND, "font": {"size": round(11 * k)}}, modebar={"orientation": "v"})
     return fig
 
 
@@ -49,8 +53,9 @@ def empty_figure(message: str) -> go.Figure:
     return fig
 
 
-def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.Figure:
-    """Windows (y) x routing events (x), coloured by tier; promotions ▲ and demotions ▼ marked."""
+def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0, large: bool = False) -> go.Figure:
+    """Windows (y) x routing events (x), coloured by tier; promotions ▲ and demotions ▼ marked. ``large``: sized
+    for a projector (presentation mode)."""
     events = view.layer_events(lane, layer, head) if lane else []
     if not events:
         return empty_figure("The tier map appears at the first routing event of a QEvict lane.")
@@ -76,25 +81,26 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0) -> go.F
     fig = go.Figure(go.Heatmap(z=z, x=list(range(len(events))), y=list(rows), colorscale=scale, zmin=-0.5, zmax=4.5,
                                showscale=False, customdata=[[TIER_NAMES[c] for c in row] for row in z],
                                hovertemplate="event %{x}, window %{y}: %{customdata}<extra></extra>"))
+    k = LARGE if large else 1.0
     for name, color in zip(TIER_NAMES[1:], colors[1:]):  # a legend instead of a colour bar
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
-                                 marker={"symbol": "square", "size": 10, "color": color}))
+                                 marker={"symbol": "square", "size": round(10 * k), "color": color}))
     # Demotions first and small, promotions last, larger and outlined: a promotion, the event the method exists
     # for, stays visible when a window row is a pixel high and its neighbours are demoted at the same event.
     outline = {"width": 1.5, "color": "#ffffff"}
     fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted ▼",
-                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": 7, "line": outline},
+                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": round(7 * k), "line": outline},
                              hovertemplate="event %{x}: window %{y} demoted<extra></extra>"))
     fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted ▲",
-                             marker={"symbol": "triangle-up", "color": "#111827", "size": 13, "line": outline},
+                             marker={"symbol": "triangle-up", "color": "#111827", "size": round(13 * k), "line": outline},
                              hovertemplate="event %{x}: window %{y} promoted back<extra></extra>"))
     for part, windows in view.answer_windows(lane).items():  # where the expected answer sits in the prompt
         for window in windows:
             fig.add_hline(y=window, line={"color": "#0ea5e9", "width": 2, "dash": "dot"})
         fig.add_annotation(x=len(shown) - 0.5, y=windows[0], xanchor="right", yanchor="bottom", showarrow=False,
-                           text=f"holds “{part[:24]}”", font={"size": 11, "color": "#0369a1"},
+                           text=f"holds “{part[:24]}”", font={"size": round(11 * k), "color": "#0369a1"},
                            bgcolor="rgba(255,255,255,0.8)")
-    fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event")
+    fig = _layout(fig, f"{lane}: {view.where(lane, layer, head)}, tier of each window per routing event", large=large)
     fig.update_layout(xaxis={"title": "routing event (decode step)", "tickvals": list(range(len(events))),
                              "ticktext": [str(s) for s in steps] if len(events) <= 40 else None},
                       yaxis={"title": f"window ({grid.omega} tokens)" if every == 1 else
@@ -109,7 +115,7 @@ def _spaced(n: int, most: int) -> list[int]:
     return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
-def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
+def score_heatmap(view: RunView, lane: str | None, head: int = 0, large: bool = False) -> go.Figure:
     """Layers (y) x windows (x): each layer's window scores at its latest routing event (of ``head`` for a lane
     routed per KV head)."""
     layers = {layer: view.layer_events(lane, layer, head) for layer in view.routing.get(lane, {})} if lane else {}
@@ -135,7 +141,7 @@ def score_heatmap(view: RunView, lane: str | None, head: int = 0) -> go.Figure:
                                          "thickness": 8, "len": 0.6, "y": -0.32, "yanchor": "top"},
                                hovertemplate="layer %{y}, window %{x}: %{z}<extra></extra>"))
     fig = _layout(fig, f"{lane}{f', KV head {head}' if per_head else ''}: cumulative attention per window "
-                       "(blank = evicted)", height=420, bottom=110)
+                       "(blank = evicted)", height=420, bottom=110, large=large)
     fig.update_layout(xaxis={"title": "window" if width == 1 else f"window (each column the largest of {width})"},
                       yaxis={"title": "layer", "dtick": max(1, len(rows) // 10)})
     return fig

@@ -66,8 +66,10 @@ class Pickers:
         self.layers, self.heads = studio.num_layers, studio.num_kv_heads
 
     def at(self, shown: Shown, view: RunView | None) -> At:
+        if not isinstance(shown.present, bool):
+            raise ValueError(f"present: must be true or false (got {shown.present!r})")
         return At(picker_index(shown.layer, self.layers, "layer"), picker_index(shown.head, self.heads, "head"),
-                  pick_lane(view, shown.shown_lane))
+                  pick_lane(view, shown.shown_lane), shown.present)
 
 
 class RunHandlers:

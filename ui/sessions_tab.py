@@ -75,9 +75,12 @@ class SessionHandlers:
         return "**Not deleted:** unknown session id or wrong delete token.", gr.skip(), gr.update(visible=False)
 
     def on_load(self, shown: Shown, owned, request: gr.Request) -> LoadOutputs:
-        """A share link (``?session=``) opens its run in Replay; the Sessions table lists this browser's runs."""
+        """A share link (``?session=``) opens its run in Replay (in presentation mode with ``&present=1``); the
+        Sessions table lists this browser's runs."""
         listed = self.list_sessions(owned)
-        session_id = request.query_params.get("session") if request is not None else None
+        query = request.query_params if request is not None else {}
+        present = True if query.get("present") in ("1", "true") else gr.skip()
+        session_id = query.get("session")
         if not session_id:
-            return LoadOutputs(table=listed)
-        return LoadOutputs(**vars(self.open_session(session_id, shown, request)), table=listed)
+            return LoadOutputs(table=listed, present=present)
+        return LoadOutputs(**vars(self.open_session(session_id, shown, request)), table=listed, present=present)

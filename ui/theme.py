@@ -29,6 +29,21 @@ CSS = """
   #methods td:nth-child(2) {min-width:14em}
   .qe-lane {min-width:0; flex-basis:100%}
 }
+/* Presentation mode (a projector, the "present" box or &present=1): large type everywhere, and the routing of one
+   lane in focus: the settings, the tables, the bytes plot and the reference accordions step aside, the tier map and
+   the scores take the whole width (their figures are redrawn large by plots.LARGE). Gradio repeats each rule of
+   this sheet under its container's classes, which outranks a body class: sizes here are !important. */
+body.qe-present .gradio-container {--text-xxs:14px; --text-xs:16px; --text-sm:18px; --text-md:20px; --text-lg:24px;
+  --text-xl:28px; --text-xxl:34px; --body-text-size:20px; --block-label-text-size:18px; --block-title-text-size:20px;
+  --block-info-text-size:18px; --input-text-size:20px; --button-large-text-size:22px; --button-small-text-size:18px;
+  --section-header-text-size:20px; --prose-text-size:20px; font-size:20px}
+body.qe-present .qe-stats, body.qe-present .qe-caption, body.qe-present .qe-verdict, body.qe-present .qe-note,
+body.qe-present .qe-prompt-text, body.qe-present .qe-moves ul {font-size:18px !important}
+body.qe-present .qe-text {font-size:22px !important}
+body.qe-present #intro, body.qe-present .qe-aside, body.qe-present #stats, body.qe-present #replay-stats,
+body.qe-present #bytes, body.qe-present #replay-bytes {display:none !important}
+body.qe-present .qe-routing {flex-wrap:wrap}
+body.qe-present .qe-routing > * {min-width:100% !important}
 #qe-notice {position:fixed; bottom:16px; left:50%; transform:translateX(-50%); z-index:1000; max-width:90vw;
             background:#111827; color:#fff; padding:8px 12px; border-radius:8px; font-size:14px; display:none}
 """
