@@ -109,6 +109,12 @@ def test_every_example_runs_at_the_default_settings(studio, browser, name):
         narrowest = page.evaluate("Math.min(...[...document.querySelectorAll('#methods td')].map("
                                   "c => c.getBoundingClientRect().width))")
         assert narrowest >= 60, f"a method-table column is {narrowest:.0f} px wide: words break every few letters"
+        # the bytes plot's legend, wrapped into rows on a phone, clears its axes' tick labels and titles
+        assert page.evaluate("""() => { const plot = document.querySelector('#bytes');
+            const box = plot.querySelector('.legend').getBoundingClientRect();
+            return [...plot.querySelectorAll('.xtick text, .g-xtitle text, .g-x2title text, .g-x3title text')]
+                .map(t => t.getBoundingClientRect()).every(r => r.bottom <= box.top || r.top >= box.bottom ||
+                                                                r.right <= box.left || r.left >= box.right); }""")
         shot(page, "studio-needle-390")
         assert sessions_listed(page)  # this run, listed: the table stays inside the phone's width
         right = page.evaluate("document.querySelector('#sessions-table').getBoundingClientRect().right")

@@ -169,8 +169,9 @@ def bytes_plot(view: RunView) -> go.Figure:
             fig.add_trace(go.Scatter(x=steps, y=values, name=group, legendgroup=group,
                                      showlegend=group not in in_legend, **style), row=1, col=col)
             in_legend.add(group)
-    fig = _layout(fig, "KV bytes over the run, stacked by tier (MiB)", height=340)
-    fig.update_layout(legend={"orientation": "h", "y": -0.3, "yanchor": "top", "x": 0},
+    # "decode step" is said once in the title, not under each lane's axis: on a phone the legend wraps into rows
+    # below the ticks, where those axis titles sat
+    fig = _layout(fig, "KV bytes by decode step, stacked by tier (MiB)", height=340)
+    fig.update_layout(legend={"orientation": "h", "y": -0.15, "yanchor": "top", "x": 0},
                       margin={"l": 50, "r": 10, "t": 60, "b": 90})
-    fig.update_xaxes(title_text="step")
     return fig
