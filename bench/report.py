@@ -4,7 +4,8 @@ A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report 
 replaces what lies between with the table of KIND rendered from the rows under ``bench/results/FOLDER``, each with a
 footing line read from the rows (what the caches were stored in, the commits, rows from a dirty tree), and redraws
 the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds:
-``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``; ``versus=A,B`` /
+``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``, ``claims`` (the
+paper's claims beside ours, bench/claims.py); ``versus=A,B`` /
 ``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M against FullKV
 and the best baseline at each budget and length; ``drift`` / ``drift=A,B``: KL over a long decode and its slope,
 paired against the best baseline, for every method or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM
@@ -29,7 +30,7 @@ from .common import RESULTS, read_jsonl  # noqa: E402
 from .compare import fidelity_text, ruler_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md",
+DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md", "bench/gpu.md",
              "docs/engine.md", "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 
@@ -95,12 +96,16 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         from .conditions import table_text
 
         return table_text(json.loads((paths[0] / "diagnostics.json").read_text()))
+    if kind == "claims":
+        from .claims import table as claims_table
+
+        return claims_table(paths)
     if kind == "choice":
         ruler = read_jsonl(sorted(f for p in paths for f in (p / "ruler").glob("ruler-*.jsonl")))
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
+                     "choice, claims, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
 
 
 def footing(folders: str, results: Path = RESULTS) -> str:

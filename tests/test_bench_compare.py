@@ -133,3 +133,46 @@ def test_the_headline_judges_no_worse_only_on_rows_run_after_the_margin_was_set(
     assert "within ±" not in old and "no worse" not in old and "margin" not in ruler_headline(before, "qevict")
     assert "margin of 5 points" in ruler_headline(after, "qevict")
     assert f"equivalent within ±{margin.size:g}" in fresh  # one miss in 100: the 90% bounds are −3 and 0
+
+
+def test_each_claim_s_verdict_follows_its_rule_on_hand_built_rows():
+    from bench.claims import CLAIMS, Rows
+
+    conditions = {"R1": {"fmm": 0.30, "churn": 0.001}, "R3": {
+        "fmm": 0.15, "fmm_fp_only": 0.34, "churn": 0.006, "qsa": 0.97, "r_q": 1.03,
+        "lir_policy": {"lir": 0.01}, "lir_oracle": {"lir": 0.02}},
+        "R3 no promotion": {"fmm": 0.1502, "lir_policy": {"lir": 0.0}}}
+    gpu = [{"method": "qevict", "device": "cuda", "context": 8192, "batch": 8, "tpot_vs_fullkv": 0.8,
+            "peak_memory_vs_fullkv": 0.9}, {"method": "qevict", "device": "cuda", "context": 16384, "batch": 8,
+                                            "tpot_vs_fullkv": 1.2, "peak_memory_vs_fullkv": 0.95}]
+    rows = Rows(conditions, [], gpu)
+    found = {claim.claim: claim.ours(rows) for claim in CLAIMS}
+    by_start = {text.split(":")[0].split(" R3")[0]: verdict for text, (_, verdict) in found.items()}
+    assert all(verdict == "no rows" for text, (_, verdict) in found.items() if "RULER" in text or "same two" in text
+               or text.startswith("…"))  # no RULER rows
+    assert by_start["Windows lower selection churn"] == "not reproduced: reversed"  # R3 0.006 above R1 0.001
+    assert by_start["Windows lower FMM"] == "reproduced"
+    assert by_start["Promotion lowers FMM"] == "not reproduced: unchanged"  # within 5e-4
+    assert by_start["The low-bit tier lowers FMM"] == "reproduced"
+    assert by_start["Low-bit scores keep the ranking"] == "reproduced"  # 0.97 >= 0.95
+    assert by_start["Low-bit attention is attenuated"] == "not reproduced: above it"
+    assert by_start["The deployed full tier re-enters more than the oracle's"] == "not reproduced"  # 1% < 2%
+    assert by_start["Promotion makes windows re-enter"] == "reproduced"
+    tpot = next(v for t, (_, v) in found.items() if t.startswith("Time per output token"))
+    memory = next(v for t, (_, v) in found.items() if t.startswith("Peak GPU memory"))
+    assert tpot == "not reproduced: above FullKV in 1 of 2 rows" and memory.startswith("partly")
+
+
+def test_a_ruler_gap_is_consistent_when_the_paper_s_figure_lies_inside_our_interval():
+    from statistics import mean
+
+    from bench.claims import CLAIMS, PAPER_RULER_32K, Rows
+
+    gap = mean(PAPER_RULER_32K["qevict"]) - mean(PAPER_RULER_32K["fullkv"])  # about −2.4 points
+    near = [{"method": m, "budget": b, "length": 2048, "task": "t", "sample": i, "score": s}
+            for i in range(100) for m, b, s in (("fullkv", None, 1.0), ("qevict_paper", 0.2, 0.0 if i < 2 else 1.0))]
+    far = [{**r, "score": 0.0} if r["method"] == "qevict_paper" and r["sample"] < 40 else r for r in near]
+    claim = next(c for c in CLAIMS if c.claim.startswith("RULER at 20%: QEvict close to FullKV"))
+    figure, verdict = claim.ours(Rows({}, near, []))
+    assert figure.startswith("2K: -2.0 [") and verdict == "consistent", (figure, gap)
+    assert claim.ours(Rows({}, far, []))[1] == "differs"

@@ -76,8 +76,8 @@ class TritonBackend(Backend):
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:
     """``QEvictConfig.kernels`` -> the backend. auto: the C kernel on the CPU in float32 when a compiler builds
-    it, else torch (on CUDA too: on an H200 the Triton path decoded slower than torch's, bench/README.md's GPU
-    section). triton: forced (on CPU only under TRITON_INTERPRET=1). cpu: forced (CPU, float32). torch: always. A
+    it, else torch (on CUDA too: on an H200 the Triton path decoded slower than torch's, bench/gpu.md).
+    triton: forced (on CPU only under TRITON_INTERPRET=1). cpu: forced (CPU, float32). torch: always. A
     forced backend that cannot run is a ValueError saying why."""
     if setting == "torch":
         return TorchBackend()
