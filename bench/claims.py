@@ -118,21 +118,15 @@ def _gpu_ratio(key: str, paper: float):
     return ours
 
 
-def _at_least(name: str, key: str, bound: float, digits: int = 4):
+def _bounded(name: str, key: str, bound: float, above: bool, digits: int = 4):
+    """Reproduced when ``key`` under ``name`` is at least ``bound`` (``above``) or below it."""
     def ours(rows: Rows) -> tuple[str, str]:
         value = rows.conditions.get(name, {}).get(key)
         if value is None:
             return NO_ROWS
-        return f"{name} {value:.{digits}f}", "reproduced" if value >= bound else "not reproduced"
-    return ours
-
-
-def _below(name: str, key: str, bound: float, digits: int = 4):
-    def ours(rows: Rows) -> tuple[str, str]:
-        value = rows.conditions.get(name, {}).get(key)
-        if value is None:
-            return NO_ROWS
-        return f"{name} {value:.{digits}f}", "reproduced" if value < bound else "not reproduced: above it"
+        holds = value >= bound if above else value < bound
+        return f"{name} {value:.{digits}f}", "reproduced" if holds else \
+            f"not reproduced: {'below' if above else 'above'} it"
     return ours
 
 
@@ -179,9 +173,9 @@ CLAIMS = [
     Claim("Promotion lowers FMM: R3 below R3 without promotion", "16.8% → 16.1% (Table 18)",
           _lower("R3", "R3 no promotion", "fmm")),
     Claim("Low-bit scores keep the ranking: QSA of R3 at least 0.95", "0.9824 (Section 3), 0.985 (Table 18)",
-          _at_least("R3", "qsa", 0.95)),
+          _bounded("R3", "qsa", 0.95, above=True)),
     Claim("Low-bit attention is attenuated: R_Q of R3 below 1", "95.5% with promotion, 88.7% without (Table 18)",
-          _below("R3", "r_q", 1.0)),
+          _bounded("R3", "r_q", 1.0, above=False)),
     Claim("The deployed full tier re-enters more than the oracle's: R3's Global LIR above the oracle's",
           "6.18% against 0.98% (Table 16)", _lir_claim("R3", "lir_policy", "R3", "lir_oracle")),
     Claim("Promotion makes windows re-enter: R3's Global LIR above R3's without promotion", "0% → 6.6% (Table 18)",
