@@ -1,7 +1,8 @@
-"""Rebuild ``austen.txt`` from Debian's r-cran-janeaustenr package (public-domain novels).
+"""Rebuild ``ui/data/austen.txt`` (the studio's examples and the RULER haystack) from Debian's
+r-cran-janeaustenr package (public-domain novels).
 
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb /tmp/jane
-    pip install rdata && python ui/data/extract_austen.py /tmp/jane
+    pip install rdata && python -m bench.extract_austen /tmp/jane
 
 The package stores the novels as an R lazy-load database (Rdata.rdx index, Rdata.rdb records); each record is a
 4-byte length, then zlib data (or a type byte for bzip2/xz) of an R-serialized character vector of lines.
@@ -54,7 +55,7 @@ def main(root: str) -> None:
         lines = [str(s) for s in rdata.conversion.convert(rdata.parser.parse_data(_record(db[offset:offset + length])))]
         text = "\n\n".join(paragraphs(lines))
         texts.append(text[:text.rfind("\n\n", 0, KEEP_CHARS)])
-    out = Path(__file__).with_name("austen.txt")
+    out = Path(__file__).resolve().parents[1] / "ui" / "data" / "austen.txt"
     out.write_text("\n\n".join(texts) + "\n")
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
