@@ -134,7 +134,11 @@ def test_the_promotion_example_sets_its_budget_and_a_layer_this_model_has(studio
     assert found["budget"] > QEvictConfig().budget  # where the default keeps full windows, so one can come back
     assert layer == min(found["layer"], studio.num_layers - 1) and f"{found['budget']:.0%} of the bytes" in hint
     needle = RunHandlers(studio, TabRuns()).pick_example("Needle in ~2K tokens of Austen (retrieval)")
-    assert not isinstance(needle.layer, int) and not isinstance(needle.budget, float)  # skipped: the form's stay
+    assert not isinstance(needle.layer, int)  # no layer of its own: the form's stays
+    # but its settings are its own: picked after the promotion example, the needle runs at the default budget, greedy
+    assert (needle.budget, needle.temperature, needle.seed) == (QEvictConfig().budget, 0.0, 0)
+    drift = RunHandlers(studio, TabRuns()).pick_example("Long continuation (256 tokens)")
+    assert drift.temperature > 0 and drift.max_new_tokens == 256  # sampled: greedy, SmolLM2 loops
 
 
 def test_the_sessions_table_says_how_many_runs_it_lists(studio):

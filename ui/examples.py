@@ -1,8 +1,9 @@
 """Prompts that ship with the studio, each with what to look at.
 
 An example is (prompt, expected answer or "" when there is none, new tokens, the layer to show, one line on what to
-look at, the budget it sets or None to keep the form's). Several answers separated by "; " must all appear for a
-lane to have found them.
+look at) and the settings it is meant to run at: the budget, the temperature and the seed, which picking it sets
+(an example picked after another does not keep the other's). Several answers separated by "; " must all appear for
+a lane to have found them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from qevict_core import QEvictConfig
 
 AUSTEN = Path(__file__).resolve().parent / "data" / "austen.txt"
 # Written by `python -m bench.promotion_example`: a needle whose window QEvict demotes and promotes back.
@@ -23,7 +26,9 @@ class Example:
     max_new_tokens: int
     layer: int | None  # the layer the tier map should open on (None: the studio's default)
     hint: str
-    budget: float | None = None  # the KV budget it is shown at (None: the form's)
+    budget: float = QEvictConfig().budget  # the KV budget it is shown at
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
 
 
 def austen(start: int, chars: int) -> str:
@@ -60,8 +65,11 @@ def two_facts() -> Example:
 
 def continuation() -> Example:
     prompt = ("Continue this passage of Pride and Prejudice in the same style.\n\n" + austen(60000, 6000))
+    # Sampled: greedy, SmolLM2 repeats one sentence for most of the 256 tokens in every lane, which shows no drift
     return Example(prompt, "", 256, None,
-                   "A long run: watch “% same as FullKV” and where each lane's text first differs, over 256 tokens.")
+                   "Drift over a long run, sampled at temperature 0.85 with one seed for every lane (greedy, this "
+                   "model loops): each lane follows FullKV until its own cache changes a token; watch where each "
+                   "text first differs and what the tier map demoted by then.", temperature=0.85)
 
 
 def promotion() -> Example:

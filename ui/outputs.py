@@ -131,6 +131,8 @@ class ExampleOutputs(DraftOutputs):
     layer: Any = keep()
     hint: Any = keep()
     budget: Any = keep()
+    temperature: Any = keep()
+    seed: Any = keep()
 
 
 @dataclass

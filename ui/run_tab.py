@@ -79,16 +79,16 @@ class RunHandlers:
         self.studio, self.tabs, self.pickers = studio, tabs, Pickers(studio)
 
     def pick_example(self, example: str | None) -> ExampleOutputs:
-        """The example's prompt, answer, new tokens, layer shown, hint and budget."""
+        """The example's prompt, answer, new tokens, layer shown, hint, and the settings it runs at (budget,
+        temperature, seed: set every time, so an example never runs at the one picked before)."""
         if not example or example not in EXAMPLES:
             return ExampleOutputs()
         found = EXAMPLES[example]()
         out = ExampleOutputs(prompt=found.prompt, expected=found.expected, max_new_tokens=found.max_new_tokens,
-                             hint=f"*{found.hint}*")
+                             hint=f"*{found.hint}*", budget=found.budget, temperature=found.temperature,
+                             seed=found.seed)
         if found.layer is not None:  # where this model has it (a smaller model than the one it was found on: the last)
             out.layer = min(found.layer, self.pickers.layers - 1)
-        if found.budget is not None:
-            out.budget = found.budget
         return out
 
     def show_ablations(self, ablations: bool, lane1: str, lane2: str, lane3: str):
