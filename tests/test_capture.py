@@ -58,3 +58,36 @@ def test_a_plain_decode_step_of_the_gpu_path_asks_the_host_nothing(monkeypatch, 
             sequences.append(mode.ops)
     # the first step may build a lookup table once (the torch path's code table); every later one is the same
     assert len(sequences[1]) > 50 and all(ops == sequences[1] for ops in sequences[1:])
+
+
+class CountHostSyncs(TorchDispatchMode):
+    """Counts, instead of refusing, the operators that wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) in REFUSED:
+            self.syncs.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_routing_step_reads_back_at_most_three_values_per_layer():
+    """Routing still decides on the host, but through a fixed number of read-backs: the decision takes no nonzero
+    (a stable sort picks each row's windows), the range check of new scales one per quantized tensor, and whether
+    some window needs a new record one more."""
+    model, omega = tiny_model("llama", 2), 8
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.3, kernels="torch", omega=omega), max_length=400)
+    with torch.inference_mode():
+        token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        while not cache.routed():
+            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        routed = []
+        for _ in range(2 * omega):
+            mode = CountHostSyncs()
+            with mode:
+                token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            if cache.routed():
+                routed.append(mode.syncs)
+    assert routed and all("aten.nonzero" not in syncs and len(syncs) <= 3 * len(cache.layers) for syncs in routed)

@@ -55,7 +55,7 @@ def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels
     x, lo, hi = x.to(work), lo.to(work), hi.to(work)
     zero = _round(lo, param_dtype, down=True)
     scale = _round((hi - zero.to(work)) / levels, param_dtype, down=False)
-    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+    if not (torch.isfinite(zero) & torch.isfinite(scale)).all():  # one read back, not two
         raise ValueError(f"values up to {float(x.abs().max()):.3g} do not fit {param_dtype} scales and zero-points: "
                          f"use scale_dtype='model' or 'bfloat16'")
     return _codes(x, zero.to(work), scale.to(work), levels), scale, zero

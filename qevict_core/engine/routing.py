@@ -32,8 +32,9 @@ def route_windows(rank: torch.Tensor, window_ids: torch.Tensor, num_quantized: i
     if not promotion:
         eligible[:, :num_quantized] = False
     kf = min(k_full, c if promotion else c - num_quantized)
-    full, quant = decide(rank, eligible, torch.full((b, 1), kf), torch.full((b, 1), min(k_quant, c - kf)))
-    return RoutingDecision(_by_id(_picked(full), window_ids), _by_id(_picked(quant), window_ids), c)
+    kq = min(k_quant, c - kf)
+    full, quant = decide(rank, eligible, torch.full((b, 1), kf), torch.full((b, 1), kq))
+    return RoutingDecision(_by_id(_picked(full, kf), window_ids), _by_id(_picked(quant, kq), window_ids), c)
 
 
 def decide(rank: torch.Tensor, eligible: torch.Tensor | None, k_full: torch.Tensor, k_quant: torch.Tensor,
@@ -57,9 +58,10 @@ def _first(order: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(taken).scatter_(1, order, taken)
 
 
-def _picked(mask: torch.Tensor) -> torch.Tensor:
-    """(R, C) bool with the same count per row -> (R, k) candidate indices in candidate order."""
-    return mask.nonzero()[:, 1].view(mask.shape[0], -1)
+def _picked(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, C) bool with k set per row -> (R, k) candidate indices in candidate order. A stable sort puts a row's set
+    places first, in their order; unlike ``nonzero`` it needs no count from the device (no host round trip)."""
+    return mask.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]
 
 
 def _by_id(picked: torch.Tensor, window_ids: torch.Tensor) -> torch.Tensor:
