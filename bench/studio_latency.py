@@ -27,18 +27,21 @@ from .common import RESULTS, add_model_args, append_jsonl, setup
 DEFAULT_LANES = ("fullkv", "snapkv", "qevict")
 
 
-def measure(handlers, prompt: str, expected: str, max_new_tokens: int) -> dict:
-    """One run at the studio's defaults -> timings and what each lane showed."""
+def measure(handlers, example) -> dict:
+    """One run of a picked example (``ExampleOutputs``: its text and its own settings) on the default lanes ->
+    timings and what each lane showed."""
     from ui.form import Controls
     from ui.outputs import Shown
 
-    controls = Controls.lanes(list(DEFAULT_LANES), prompt=prompt, max_new_tokens=max_new_tokens, expected=expected)
+    controls = Controls.lanes(list(DEFAULT_LANES), prompt=example.prompt, max_new_tokens=example.max_new_tokens,
+                              expected=example.expected, budget=example.budget, temperature=example.temperature,
+                              seed=example.seed)
     start, first, last = time.perf_counter(), None, None
     for last in handlers.generate(controls, Shown(layer=handlers.pickers.layers // 2)):
         if first is None and last.status.startswith("**Generating"):
             first = time.perf_counter() - start
     total = time.perf_counter() - start
-    found, kv_percent = lanes_shown(last.view.lanes, expected)
+    found, kv_percent = lanes_shown(last.view.lanes, example.expected)
     return {"first_token_s": first, "total_s": total, "status": last.status, "found": found, "kv_percent": kv_percent}
 
 
@@ -118,12 +121,11 @@ def main(argv=None) -> None:
         for round_ in range(args.rounds):
             for name in EXAMPLES:
                 example = handlers.pick_example(name)  # what the picker fills in
-                prompt, expected, max_new_tokens = example.prompt, example.expected, example.max_new_tokens
                 load = os.getloadavg()[0]
-                timed = (measure_in_browser(*served, name, expected) if served else
-                         measure(handlers, prompt, expected, max_new_tokens))
+                timed = (measure_in_browser(*served, name, example.expected) if served else
+                         measure(handlers, example))
                 row = {"example": name, "round": round_, "through": "browser" if served else "handlers",
-                       "load_1min": load, "max_new_tokens": max_new_tokens, **timed, **meta}
+                       "load_1min": load, "max_new_tokens": example.max_new_tokens, **timed, **meta}
                 report(out, row)
 
 

@@ -335,3 +335,24 @@ def test_a_passage_past_the_end_of_the_text_is_refused_before_anything_runs(smol
     with pytest.raises(ValueError, match=r"from sentence 2800 has only 0 tokens, 100 needed .*lower --offset"):
         fidelity.passage_tokens(tokenizer, 100, [0, 2800], tiny=False)
     assert fidelity.passage_tokens(tokenizer, 100, [0, 700], tiny=False)[700].shape == (1, 100)
+
+
+def test_studio_latency_runs_each_example_at_its_own_settings():
+    """bench.studio_latency times an example as the picker fills the form: the promotion example at its budget."""
+    from bench.studio_latency import measure
+    from qevict_core import QEvictConfig
+    from storage import SessionStore, make_engine
+    from tests.conftest import tiny_chat_model, tiny_tokenizer
+    from ui.control import TabRuns
+    from ui.run_tab import RunHandlers
+    from ui.studio import Studio
+
+    handlers = RunHandlers(Studio(tiny_chat_model(), tiny_tokenizer(), SessionStore(make_engine("sqlite://")), "tiny"),
+                           TabRuns())
+    example = handlers.pick_example("A window demoted, then promoted back")
+    example.max_new_tokens = 4
+    row = measure(handlers, example)
+    assert row["status"].startswith("**Done") and row["first_token_s"] <= row["total_s"]
+    assert set(row["found"]) == {"fullkv", "snapkv", "qevict"}
+    assert row["kv_percent"]["qevict"] <= 100 * example.budget + 0.05  # at the example's 40%, not the form's 20%
+    assert row["kv_percent"]["qevict"] > 100 * QEvictConfig().budget
