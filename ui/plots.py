@@ -89,10 +89,12 @@ def tier_map(view: RunView, lane: str | None, layer: int, head: int = 0, large: 
     # for, stays visible when a window row is a pixel high and its neighbours are demoted at the same event.
     outline = {"width": 1.5, "color": "#ffffff"}
     fig.add_trace(go.Scatter(x=demoted[0], y=demoted[1], mode="markers", name="demoted ▼",
-                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": round(7 * k), "line": outline},
+                             marker={"symbol": "triangle-down", "color": "#7c3aed", "size": round(7 * k),
+                                     "line": outline},
                              hovertemplate="event %{x}: window %{y} demoted<extra></extra>"))
     fig.add_trace(go.Scatter(x=promoted[0], y=promoted[1], mode="markers", name="promoted ▲",
-                             marker={"symbol": "triangle-up", "color": "#111827", "size": round(13 * k), "line": outline},
+                             marker={"symbol": "triangle-up", "color": "#111827", "size": round(13 * k),
+                                     "line": outline},
                              hovertemplate="event %{x}: window %{y} promoted back<extra></extra>"))
     for part, windows in view.answer_windows(lane).items():  # where the expected answer sits in the prompt
         for window in windows:

@@ -40,8 +40,9 @@ def causal_softmax(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch
         # never waits for the device (and stays capturable in a CUDA graph)
         hidden = key_pos[:, None, None, None, :] > query_pos[None, None, None, :, None]  # (B, 1, 1, q, N)
         return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
-    # Longer query blocks (a routing event's observation window): only keys newer than the oldest query can be hidden from some query; keys come in any order, so find them
-    # first and mask just those columns (the whole (q, N) mask cost more than the scores at a routing event).
+    # Longer query blocks (a routing event's observation window): only keys newer than the oldest query can be
+    # hidden from some query; keys come in any order, so find them first and mask just those columns (the whole
+    # (q, N) mask cost more than the scores at a routing event).
     later = (key_pos > query_pos.min()).any(dim=0).nonzero().flatten()
     if later.numel():
         hidden = key_pos[:, None, None, None, later] > query_pos[None, None, None, :, None]  # (B, 1, 1, q, k)
