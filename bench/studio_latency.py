@@ -1,5 +1,5 @@
 """How long a studio visitor waits: the time to the first generated token and to the end of a run, for every
-example at the studio's defaults, through the same handlers the example picker and the Generate button call
+example at its own settings on the default lanes, through the same handlers the example picker and the Generate button call
 (Gradio's transport excluded), or with ``--browser`` in Debian's chromium against the studio served on this
 machine (what a visitor sees: from the click on Generate to the first "Generating" status, and to "Done").
 
@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--browser", action="store_true", help="click through Debian's chromium (/usr/bin/chromium)")
     add_model_args(parser)
     args = parser.parse_args(argv)
+    from qevict_core import QEvictConfig
     from storage import SessionStore, make_engine
     from ui.examples import EXAMPLES
     from ui.control import TabRuns
@@ -115,6 +116,8 @@ def main(argv=None) -> None:
     from ui.studio import Studio
 
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
+    # The form has no storage control: every lane stores what the config's default gives this model
+    meta["kv_dtype"] = str(QEvictConfig().storage_dtype(model.dtype)).removeprefix("torch.")
     handlers = RunHandlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]), TabRuns())
     out = Path(args.out) / "studio_latency.jsonl"
     with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served:
@@ -153,7 +156,7 @@ def table(rows: list[dict]) -> str:
     first = rows[0]
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
     return (f"{first['model']} on {first['cpu']} ({first['threads']} threads), {first['date']}, commit "
-            f"{commits}; medians over rounds, at the studio's defaults (lanes "
+            f"{commits}; medians over rounds, each example at its own settings on the default lanes ("
             f"{', '.join(DEFAULT_LANES)}).\n\n" + "\n".join(lines) + "\n")
 
 
