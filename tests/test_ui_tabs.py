@@ -14,7 +14,7 @@ from ui.control import TabRuns
 from ui.examples import EXAMPLES
 from ui.form import Controls
 from ui.named import Outputs, keep, wire
-from ui.outputs import At, Shown, ViewOutputs
+from ui.outputs import At, ReplayOutputs, Shown, ViewOutputs
 from ui.replay_tab import ReplayHandlers
 from ui.run_tab import BOOT, RunHandlers, pick_lane
 from ui.sessions_tab import SessionHandlers
@@ -76,6 +76,12 @@ def test_presentation_mode_draws_the_routing_large_and_a_non_boolean_is_refused(
     refused = list(RunHandlers(studio, TabRuns()).generate(
         Controls.lanes(["qevict"], prompt="hi", max_new_tokens=2), Shown(present="yes")))
     assert refused[-1].status.startswith("**Cannot run:** present: must be true or false (got 'yes')")
+
+
+def test_a_redraw_without_a_loaded_replay_touches_nothing(studio):
+    replay = ReplayHandlers(studio, TabRuns())
+    assert replay.redraw("", 3, Shown(present=True)).values() == ReplayOutputs().values()
+    assert replay.redraw("nope", None, Shown()).status.startswith("**No such session")
 
 
 def test_a_share_link_asks_for_presentation_mode(studio):

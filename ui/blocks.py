@@ -228,7 +228,7 @@ def build_demo(studio: Studio) -> gr.Blocks:
         wire(r.load.click, replay.load_replay, on, **private)
         # always_last: a dragged step slider ends on the step it was let go at, not the first one it passed
         wire(_on([r.step.input, rv.layer.change, rv.head.change, rv.shown_lane.input, present.change]),
-             replay.show_replay, on, trigger_mode="always_last", **private)
+             replay.redraw, on, trigger_mode="always_last", **private)
         wire(r.play.click, replay.play, on, r.timer, **private)
         wire(r.pause.click, replay.pause, on, r.timer, **private)
         wire(r.timer.tick, replay.tick, on, **private)

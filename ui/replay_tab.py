@@ -32,6 +32,13 @@ class ReplayHandlers:
                              gr.update(maximum=max(last, 1), value=step),
                              gr.update(choices=view.routed_lanes(), value=at.lane), ViewOutputs.drawn(view, at))
 
+    def redraw(self, session_id: str, step, shown: Shown, request: gr.Request = None) -> ReplayOutputs:
+        """A picker, the step slider or presentation mode changed: the loaded replay redrawn; with none loaded,
+        nothing touched (no "enter a session id" for a visitor who only ticked presentation mode)."""
+        if not (session_id or "").strip():
+            return ReplayOutputs()
+        return self.show_replay(session_id, step, shown, request)
+
     def load_replay(self, session_id: str, shown: Shown, request: gr.Request) -> ReplayOutputs:
         return self.show_replay(session_id, None, shown, request)
 
