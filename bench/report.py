@@ -5,11 +5,10 @@ replaces what lies between with the table of KIND rendered from the rows under `
 footing line read from the rows (what the caches were stored in, the commits, rows from a dirty tree), and redraws
 the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds:
 ``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``, ``claims`` (the
-paper's claims beside ours, bench/claims.py); ``versus=A,B`` /
-``kl_versus=A,B``: method A minus method B in RULER score / fidelity KL, paired; ``headline=M``: M against FullKV
-and the best baseline at each budget and length; ``drift`` / ``drift=A,B``: KL over a long decode and its slope,
-paired against the best baseline, for every method or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM
-plugin's rows. ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may
+paper's claims beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER
+score / fidelity KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length;
+``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
+or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows. ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may
 name several folders joined by ``+`` (their rows are read together).
 """
 
@@ -33,8 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md", "bench/gpu.md",
              "docs/engine.md", "docs/baselines.md", "docs/library.md", "docs/studio.md", "docs/vllm.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
-
-
 COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
           "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",
           "kivi2": "#ca8a04", "kivi4": "#a16207", "qevict_nopromo": "#65a30d", "r1": "#f97316", "r2": "#fb923c"}
