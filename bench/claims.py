@@ -45,7 +45,8 @@ class Rows:
                 conditions.update(json.loads((folder / "conditions" / "diagnostics.json").read_text())["conditions"])
             ruler += read_jsonl(sorted(f for sub in ("ruler", "ruler4k")
                                        for f in (folder / sub).glob("ruler-*.jsonl")))
-            gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths") for f in (folder / sub).glob("*.jsonl")))
+            gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths")
+                                                 for f in (folder / sub).glob("*.jsonl")))
                     if str(r.get("device", "")).startswith("cuda")]
         return cls(conditions, ruler, gpu)
 
@@ -58,21 +59,13 @@ class Claim:
     why: str = ""  # what is known about a difference; "" when nothing is
 
 
-def _condition_pair(name_a: str, name_b: str, key: str, digits: int = 4):
-    """Our figure for ``key`` under two conditions, or None when either is missing."""
-    def read(rows: Rows):
-        a, b = rows.conditions.get(name_a, {}).get(key), rows.conditions.get(name_b, {}).get(key)
-        return None if a is None or b is None else (a, b, f"{name_a} {a:.{digits}f}, {name_b} {b:.{digits}f}")
-    return read
-
-
 def _lower(name_a: str, name_b: str, key: str, tolerance: float = 5e-4, digits: int = 4):
     """Reproduced when ``key`` under ``name_a`` is below ``name_b``'s by more than ``tolerance``."""
     def ours(rows: Rows) -> tuple[str, str]:
-        found = _condition_pair(name_a, name_b, key, digits)(rows)
-        if found is None:
+        a, b = rows.conditions.get(name_a, {}).get(key), rows.conditions.get(name_b, {}).get(key)
+        if a is None or b is None:
             return NO_ROWS
-        a, b, text = found
+        text = f"{name_a} {a:.{digits}f}, {name_b} {b:.{digits}f}"
         if a < b - tolerance:
             return text, "reproduced"
         return text, "not reproduced: " + ("unchanged" if abs(a - b) <= tolerance else "reversed")

@@ -8,8 +8,9 @@ the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and
 paper's claims beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER
 score / fidelity KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length;
 ``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
-or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows. ``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may
-name several folders joined by ``+`` (their rows are read together).
+or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows. ``tests/test_bench_docs.py`` fails when
+the committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are
+read together).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How long a studio visitor waits: the time to the first generated token and to the end of a run, for every
-example at its own settings on the default lanes, through the same handlers the example picker and the Generate button call
-(Gradio's transport excluded), or with ``--browser`` in Debian's chromium against the studio served on this
-machine (what a visitor sees: from the click on Generate to the first "Generating" status, and to "Done").
+example at its own settings on the default lanes, through the same handlers the example picker and the Generate
+button call (Gradio's transport excluded), or with ``--browser`` in Debian's chromium against the studio served on
+this machine (what a visitor sees: from the click on Generate to the first "Generating" status, and to "Done").
 
     python -m bench.studio_latency --rounds 2 --threads 2 --out bench/results/studio_latency
     python -m bench.studio_latency --browser --rounds 2 --threads 2 --out bench/results/studio_latency

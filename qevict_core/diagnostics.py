@@ -1,12 +1,11 @@
 """The paper's attention-drift diagnostics (Section 3, Appendix I), from FullKV attention traces.
 
-A policy's decisions come from its own routing events (``RoutingEvent``: what it kept at each event, on which window
-grid); the
-attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place that attention
-exists. Routing is shared by a layer's heads; FMM and tier mass are computed per layer and head as Appendix I.1
-defines them (Eq. 12 per head), then averaged. QSA and the oracle compare with the policy's own ranking, which is
-per layer (Eq. 1 averages the query heads), so their reference scores are the mean over query heads: the policy
-records no per-head scores to compare head by head.
+A policy's decisions come from its own routing events (``RoutingEvent``: what it kept at each event, on which
+window grid); the attention it will miss comes from an uncompressed FullKV run over the same tokens, the only place
+that attention exists. Routing is shared by a layer's heads; FMM and tier mass are computed per layer and head as
+Appendix I.1 defines them (Eq. 12 per head), then averaged. QSA and the oracle compare with the policy's own
+ranking, which is per layer (Eq. 1 averages the query heads), so their reference scores are the mean over query
+heads: the policy records no per-head scores to compare head by head.
 
 - Future Missed Mass (Eq. 13): per head, future FullKV attention (next H queries) on positions a policy has made
   inaccessible, over the attention on all positions that existed at the event; then averaged over heads.
@@ -113,7 +112,8 @@ def accessible_positions(event: RoutingEvent, include_quantized: bool = True) ->
     return positions
 
 
-def future_missed_mass(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int, horizon: int = 32, include_quantized: bool = True) -> list[tuple[int, float]]:
+def future_missed_mass(trace: LayerTrace, events: list[RoutingEvent], prompt_len: int, horizon: int = 32,
+                       include_quantized: bool = True) -> list[tuple[int, float]]:
     """(decode step, FMM averaged over heads) per routing event; ``include_quantized=False`` treats the low-bit
     tier as gone. Heads whose future rows put no mass on existing positions have no FMM and are left out."""
     out = []

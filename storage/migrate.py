@@ -12,8 +12,9 @@ four ways, each rewritten here and nowhere else:
   stored keys and values in;
 - a routing event has no ``sinks``/``omega`` (format 2 and before): its lane's.
 
-``upgrade_request`` and ``upgrade_events`` are idempotent: a current request comes back equal, so running the migration twice changes
-nothing the second time. Malformed parts are left as they are, for the schema to refuse with its message.
+``upgrade_request`` and ``upgrade_event`` are idempotent: a current request or event comes back equal, so running
+the migration twice changes nothing the second time. Malformed parts are left as they are, for the schema to refuse
+with its message.
 """
 
 from __future__ import annotations

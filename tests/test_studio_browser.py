@@ -179,8 +179,8 @@ def test_a_share_link_opens_in_presentation_mode_for_a_projector(studio, browser
     assert "Done." in wait_done(page)
     projector = {"width": 1920, "height": 1080}
     show = open_page(browser, share_link(page) + "&present=1", projector, context=browser.new_context())
-    wait_text(show, "#replay-status", "step 23 of 23", 30_000)
-    show.wait_for_function("document.body.classList.contains('qe-present')", timeout=30_000)
+    wait_text(show, "#replay-status", "step 23 of 23", 60_000)
+    show.wait_for_function("document.body.classList.contains('qe-present')", timeout=60_000)
     assert show.locator("#present input").is_checked()
     size = "s => parseFloat(getComputedStyle(document.querySelector(s)).fontSize)"
     assert show.evaluate(size, "#replay-lanes .qe-text") >= 22 and show.evaluate(size, "#replay-status") >= 20
@@ -191,13 +191,13 @@ def test_a_share_link_opens_in_presentation_mode_for_a_projector(studio, browser
         assert not show.locator(aside).is_visible(), aside
     # the figures are redrawn large (plots.LARGE) and each takes the whole width, the scores under the tier map
     show.wait_for_function(f"document.querySelector('#replay-tier-map .gtitle') && "
-                           f"{size.replace('s =>', '(s =>')})('#replay-tier-map .gtitle') >= 20", timeout=30_000)
+                           f"{size.replace('s =>', '(s =>')})('#replay-tier-map .gtitle') >= 20", timeout=60_000)
     tier, heat = (show.locator(f"#replay-{name} .js-plotly-plot").bounding_box() for name in ("tier-map", "heatmap"))
     assert tier["width"] >= 0.8 * projector["width"] and heat["y"] >= tier["y"] + tier["height"] - 1, (tier, heat)
     shot(show, "studio-present-1920")
     show.locator("#present input").uncheck()  # and back: the page's own sizes
-    show.wait_for_function("!document.body.classList.contains('qe-present')", timeout=30_000)
-    show.wait_for_function(f"{size.replace('s =>', '(s =>')})('#replay-tier-map .gtitle') < 16", timeout=30_000)
+    show.wait_for_function("!document.body.classList.contains('qe-present')", timeout=60_000)
+    show.wait_for_function(f"{size.replace('s =>', '(s =>')})('#replay-tier-map .gtitle') < 16", timeout=60_000)
     assert show.locator("#replay-stats").is_visible()
 
 

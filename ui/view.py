@@ -1,7 +1,8 @@
 """What a run looks like at some step, rebuilt from its event stream.
 
 Live runs and replays feed the same ``RunView`` with the same typed events (``qevict_core.events``; storage keeps
-their JSON form), so a replay redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py`` and ``ui/cards.py`` draw it.
+their JSON form), so a replay redraws exactly what was shown live. Everything here is plain data; ``ui/plots.py``
+and ``ui/cards.py`` draw it.
 """
 
 from __future__ import annotations
