@@ -5,11 +5,15 @@ this machine (what a visitor sees: from the click on Generate to the first "Gene
 
     python -m bench.studio_latency --rounds 2 --threads 2 --out bench/results/studio_latency
     python -m bench.studio_latency --browser --rounds 2 --threads 2 --out bench/results/studio_latency
+    python -m bench.studio_latency --busy 2 --rounds 2 --threads 2 --out bench/results/studio_latency
+
+``--busy N`` keeps N other processes spinning on the CPU for the whole run: the studio on a machine it shares
+(benchmarks often run beside it), the same load every time.
 
 One JSON line per (example, round): seconds to the first "Generating" update and to "Done", the new tokens the
 example asks for, each lane's measured share of FullKV's bytes and whether it found the expected answer, the
 machine's load average when the run started (benchmarks often share the machine: the row says how busy it was),
-and ``through`` ("handlers" or "browser").
+``busy`` (the spinning processes ``--busy`` started) and ``through`` ("handlers" or "browser").
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "studio_latency"))
     parser.add_argument("--browser", action="store_true", help="click through Debian's chromium (/usr/bin/chromium)")
+    parser.add_argument("--busy", type=int, default=0, help="processes kept spinning on the CPU while it runs")
+    parser.add_argument("--examples", default=None, help="comma-separated example names (default: all)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     from qevict_core import QEvictConfig
@@ -120,16 +126,42 @@ def main(argv=None) -> None:
     meta["kv_dtype"] = str(QEvictConfig().storage_dtype(model.dtype)).removeprefix("torch.")
     handlers = RunHandlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]), TabRuns())
     out = Path(args.out) / "studio_latency.jsonl"
-    with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served:
+    names = args.examples.split(",") if args.examples else list(EXAMPLES)
+    unknown = sorted(set(names) - set(EXAMPLES))
+    if unknown:
+        parser.error(f"unknown examples {unknown}; choose from {list(EXAMPLES)}")
+    with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served, \
+            spinning(args.busy):
         for round_ in range(args.rounds):
-            for name in EXAMPLES:
+            for name in names:
                 example = handlers.pick_example(name)  # what the picker fills in
                 load = os.getloadavg()[0]
                 timed = (measure_in_browser(*served, name, example.expected) if served else
                          measure(handlers, example))
                 row = {"example": name, "round": round_, "through": "browser" if served else "handlers",
-                       "load_1min": load, "max_new_tokens": example.max_new_tokens, **timed, **meta}
+                       "busy": args.busy, "load_1min": load, "max_new_tokens": example.max_new_tokens, **timed, **meta}
                 report(out, row)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def spinning(processes: int):
+    """``processes`` other processes busy on the CPU until the block ends."""
+    import multiprocessing
+
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
 
 
 def report(out: Path, row: dict) -> None:
@@ -143,14 +175,17 @@ def table(rows: list[dict]) -> str:
     whether each lane found the answer in every round."""
     from statistics import median
 
-    lines = ["| example | through | new tokens | rounds | first token s | whole run s | load (1 min, max) | "
-             "found the answer |", "|---|---|---|---|---|---|---|---|"]
-    for name, through in dict.fromkeys((r["example"], r.get("through", "handlers")) for r in rows):
-        group = [r for r in rows if r["example"] == name and r.get("through", "handlers") == through]
+    def cell(r: dict) -> tuple:
+        return r["commit"], r["example"], r.get("through", "handlers"), r.get("busy", 0)
+
+    lines = ["| commit | example | through | other busy processes | new tokens | rounds | first token s | "
+             "whole run s | load (1 min, max) | found the answer |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for commit, name, through, busy in dict.fromkeys(map(cell, rows)):
+        group = [r for r in rows if cell(r) == (commit, name, through, busy)]
         lanes = dict.fromkeys(lane for r in group for lane in r["found"])
         found = ", ".join(f"{lane} {sum(bool(r['found'].get(lane)) for r in group)}/{len(group)}" for lane in lanes
                           if any(r["found"].get(lane) is not None for r in group)) or "—"
-        lines.append(f"| {name} | {through} | {group[0]['max_new_tokens']} | {len(group)} | "
+        lines.append(f"| {commit} | {name} | {through} | {busy} | {group[0]['max_new_tokens']} | {len(group)} | "
                      f"{median(r['first_token_s'] for r in group):.1f} | {median(r['total_s'] for r in group):.1f} | "
                      f"{max(r['load_1min'] for r in group):.1f} | {found} |")
     first = rows[0]

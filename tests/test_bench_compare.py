@@ -73,11 +73,13 @@ def test_the_studio_latency_table_takes_medians_and_counts_found_answers_per_lan
              "load_1min": load, "found": {"fullkv": True, "qevict": i == 0}, **meta}
             for i, (t, load) in enumerate([(1.0, 0.5), (3.0, 2.5), (2.0, 0.1)])]
     rows.append({**rows[0], "through": "browser", "first_token_s": 9.0, "commit": "def"})  # its own row
+    rows.append({**rows[0], "busy": 2, "first_token_s": 7.0})  # the same example beside two spinning processes
     lines = table(rows).splitlines()
     assert "commit abc, def;" in lines[0]
-    handlers, browser = ([c.strip() for c in line.strip("|").split("|")] for line in lines[-2:])
-    assert handlers == ["Needle", "handlers", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
-    assert browser == ["Needle", "browser", "64", "1", "9.0", "10.0", "0.5", "fullkv 1/1, qevict 1/1"]
+    handlers, browser, busy = ([c.strip() for c in line.strip("|").split("|")] for line in lines[-3:])
+    assert handlers == ["abc", "Needle", "handlers", "0", "64", "3", "2.0", "20.0", "2.5", "fullkv 3/3, qevict 1/3"]
+    assert browser == ["def", "Needle", "browser", "0", "64", "1", "9.0", "10.0", "0.5", "fullkv 1/1, qevict 1/1"]
+    assert busy == ["abc", "Needle", "handlers", "2", "64", "1", "7.0", "10.0", "0.5", "fullkv 1/1, qevict 1/1"]
 
 
 def test_a_paired_comparison_says_what_it_could_detect_and_its_exact_sign_test():
