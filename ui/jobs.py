@@ -21,6 +21,8 @@ import torch
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
 
+from .cpu_threads import RunThreads
+
 MAX_SECONDS = 120  # the most one call asks for: a free visitor's quota is a few minutes a day
 # What an H200 slice needs, generously: a decode step of three SmolLM2 lanes (eager, ~40 ms), and prefill.
 STEP_SECONDS = 0.06
@@ -30,7 +32,7 @@ PREFILL_TOKENS_PER_SECOND = 20_000
 @dataclass(frozen=True)
 class RunJob:
     """One Generate: the prompt's ids, the lanes (name, method), the form's config, the sampling, where Stop is
-    signalled."""
+    signalled, the most CPU threads it may use (``cpu_threads.RunThreads``)."""
 
     input_ids: tuple[int, ...]
     lanes: tuple[tuple[str, str], ...]
@@ -39,6 +41,7 @@ class RunJob:
     temperature: float
     seed: int
     stop_file: str
+    threads: int = 1
 
     @property
     def max_length(self) -> int:
@@ -65,14 +68,19 @@ def run_events(model, tokenizer, job: RunJob) -> Iterator[list[dict]]:
     sampling = Sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, seed=job.seed)
     ids = torch.tensor([job.input_ids])
     pending: list[dict] = []
-    for event in generate_lanes(model, tokenizer, ids, lanes, sampling,
-                                should_stop=lambda: os.path.exists(job.stop_file)):
-        pending.append(event.to_dict())
-        if event.kind in ("memory", "done"):
+    threads = RunThreads(next(model.parameters()).device, job.threads)  # the prompt on the free cores
+    try:
+        for event in generate_lanes(model, tokenizer, ids, lanes, sampling,
+                                    should_stop=lambda: os.path.exists(job.stop_file)):
+            pending.append(event.to_dict())
+            if event.kind in ("memory", "done"):
+                yield pending
+                pending = []
+            threads.decoding()  # the prompt is read; a resumed generator runs the next forward in this thread
+        if pending:
             yield pending
-            pending = []
-    if pending:
-        yield pending
+    finally:
+        threads.restore()
 
 
 @dataclass(frozen=True)

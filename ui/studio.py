@@ -81,6 +81,7 @@ class Studio:
     store: SessionStore
     model_name: str = "SmolLM2-135M-Instruct"
     choices: dict = field(default_factory=lambda: {"methods": sorted(METHODS), "bits": BITS, "scorers": SCORERS})
+    threads: int = field(default_factory=torch.get_num_threads)  # the most a run may use (set before the studio)
     _loaded: dict = field(default_factory=dict, repr=False)  # id -> ((updated_at, status), meta, events)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -193,7 +194,7 @@ class Studio:
         stop_file = os.path.join(tempfile.gettempdir(), f"qevict-stop-{session_id}")
         job = RunJob(tuple(input_ids[0].tolist()), tuple((lane["name"], lane["method"]) for lane in request["lanes"]),
                      req.config.to_dict(), req.sampling.max_new_tokens, req.sampling.temperature, req.sampling.seed,
-                     stop_file)
+                     stop_file, self.threads)
         stream = self.events(job)
         try:
             yield Update(view, session_id, token, True, status)
