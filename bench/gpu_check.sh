@@ -19,8 +19,8 @@ transformers.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$out/env
 step tests "${TESTS_S:-60}" "$py" -m pytest -q tests/test_kernels.py -p no:cacheprovider
 step resources "${RESOURCES_S:-40}" "$py" -m bench.kernel_resources --device cuda --out "$out/resources"
 # 3. one layer's attention, graph-replayed: fused kernel, the old kernel, dequantise + SDPA, SDPA over bf16 tokens
-step kernels "${KERNELS_S:-80}" "$py" -m bench.kernels --device cuda --keys 8192,32768 --batch 1,8 --bits 4 \
-  --repeats 20 --out "$out/kernels"
+step kernels "${KERNELS_S:-80}" "$py" -m bench.kernels attention --device cuda --keys 8192,32768 --batch 1,8 \
+  --bits 4 --repeats 20 --out "$out/kernels"
 # 4. end to end on an 8B shape: FullKV preallocated against QEvict (fused kernel, PyTorch path) and SnapKV, eager
 step speed_8k "${SPEED_S:-100}" "$py" -m bench.speed --device cuda --model random:llama-8b \
   --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 \

@@ -1,9 +1,12 @@
-"""One layer's decode attention over T cached tokens, four ways, and the device's copy bandwidth as the ceiling.
+"""The low-bit tier's kernels alone: the GPU attention path against the device's copy bandwidth (``attention``),
+and the C kernel by the dtype of its stored pairs (``c``).
 
-    python -m bench.kernels --device cuda --keys 8192,32768 --batch 1,8 --bits 4
-    TRITON_INTERPRET=1 python -m bench.kernels --device cpu --keys 512 --batch 1 --repeats 1   # smoke run
+    python -m bench.kernels attention --device cuda --keys 8192,32768 --batch 1,8 --bits 4
+    TRITON_INTERPRET=1 python -m bench.kernels attention --device cpu --keys 512 --batch 1 --repeats 1   # smoke run
+    python -m bench.kernels c --windows 342 --heads 3 --rows 3 --bits 4 --threads 1
 
-For a layer of 8 KV heads × 4 query heads, head_dim 128 (an 8B shape), one query per head:
+``attention``: one layer's decode attention over T cached tokens, four ways. For a layer of 8 KV heads × 4 query
+heads, head_dim 128 (an 8B shape), one query per head:
 
 - ``fused``: QEvict's path: the T tokens in the low-bit tier, read once by ``qevict_kernels.lowbit_attention``,
   plus 64 full-precision tokens (sinks and recent) through SDPA, merged by log-sum-exp with every window's mass;
@@ -15,6 +18,11 @@ On CUDA every way is captured in a CUDA graph and replayed, timed with CUDA even
 (a decode step replays a graph; a host timer around one launch would time the launch). ``copy`` is a
 device-to-device copy of 1 GiB, the bandwidth any of them can reach. Each row: median seconds, the bytes it must
 read, GB/s and the fraction of the copy's bandwidth.
+
+``c``: one random low-bit tier of ``--windows`` windows per KV head (Ω = 8, head_dim 64 by default), its pairs
+stored in float32, float16 and bfloat16 (the same values, widened exactly by the kernel): the median time of
+``quant_logits`` and ``quant_values`` for each, in the same process, and each as a ratio to float32. The defaults are SmolLM2's
+shapes at 4K/20% with float16 pairs (342 INT4 windows per layer, 3 KV heads, a GQA group of 3 query rows).
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from qevict_kernels import cpu_decode
+
 from .common import RESULTS, run_metadata
 
 HKV, GROUPS, HEAD_DIM, OMEGA, FP_TOKENS = 8, 4, 128, 8, 64
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the C kernel's stored pairs
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -121,16 +132,49 @@ def case(batch: int, keys: int, bits: int, device: str, repeats: int) -> list[di
     return rows_out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--keys", default="8192,32768")
-    parser.add_argument("--batch", default="1,8")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=str(RESULTS / "kernels"))
-    args = parser.parse_args(argv)
+def c_tier(windows: int, heads: int, rows: int, dim: int, omega: int, bits: int, seed: int = 0):
+    """A random low-bit tier as the C kernel takes it: -> (quant_logits' keywords, (value codes, scales, zeros))."""
+    g = torch.Generator().manual_seed(seed)
+    n = windows * omega
+    codes = lambda: torch.randint(0, 256, (1, heads, n, dim * bits // 8), dtype=torch.uint8, generator=g)  # noqa: E731
+    angle = torch.arange(8 + windows * omega * 2)[:, None].float() / 10000 ** (torch.arange(0, dim, 2) / dim)
+    angle = torch.cat([angle, angle], dim=-1)
+    keys = dict(rows=torch.randn(1, heads, rows, dim, generator=g), k_codes=codes(),
+                k_scale=torch.rand(1, heads, windows, dim, generator=g) / 4,
+                k_zero=torch.randn(1, heads, windows, dim, generator=g),
+                ids=torch.randperm(windows * 2, generator=g)[:windows].int()[None], cos=angle.cos(), sin=angle.sin(),
+                sinks=5, omega=omega, bits=bits, scaling=dim ** -0.5)
+    values = (codes(), torch.rand(1, heads, n, 1, generator=g) / 4, torch.randn(1, heads, n, 1, generator=g))
+    return keys, values
+
+
+def median_us(fn, repeats: int, calls: int) -> float:
+    fn()  # warm-up (and the kernel's first build)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def c_measure(windows: int, heads: int, rows: int, dim: int, omega: int, bits: int, repeats: int,
+              calls: int) -> dict[str, tuple[float, float]]:
+    """-> {dtype name: (quant_logits µs, quant_values µs)}, medians, all in this process."""
+    keys, (v_codes, v_scale, v_zero) = c_tier(windows, heads, rows, dim, omega, bits)
+    probs = torch.softmax(cpu_decode.quant_logits(**keys), dim=-1)
+    result = {}
+    for dtype in DTYPES:
+        narrow = {**keys, "k_scale": keys["k_scale"].to(dtype), "k_zero": keys["k_zero"].to(dtype)}
+        scale, zero = v_scale.to(dtype), v_zero.to(dtype)
+        result[str(dtype).removeprefix("torch.")] = (
+            median_us(lambda: cpu_decode.quant_logits(**narrow), repeats, calls),
+            median_us(lambda: cpu_decode.quant_values(probs, v_codes, scale, zero, bits), repeats, calls))
+    return result
+
+
+def attention(args) -> None:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on a CPU the kernels run in Triton's interpreter: set TRITON_INTERPRET=1")
     meta = run_metadata("synthetic layer (8 KV heads x 4, head_dim 128)", args.device)
@@ -154,6 +198,45 @@ def main(argv=None) -> None:
                        f"{row['bandwidth'] / 1e9:8.1f} GB/s {frac}")
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # after each size: a cut-short run keeps it
     print(f"wrote {path}")
+
+
+def c_kernel(args) -> None:
+    if cpu_decode.available() is not None:
+        raise SystemExit(f"the C kernel is unavailable: {cpu_decode.available()}")
+    torch.set_num_threads(args.threads)
+    result = c_measure(args.windows, args.heads, args.rows, args.dim, args.omega, args.bits, args.repeats, args.calls)
+    base_logits, base_values = result["float32"]
+    print(f"{args.windows} windows x {args.heads} KV heads, {args.rows} rows, head_dim {args.dim}, Ω = {args.omega}, "
+          f"INT{args.bits}, {args.threads} thread(s); medians of {args.repeats} x {args.calls} calls")
+    for name, (logits, values) in result.items():
+        print(f"{name:9s} quant_logits {logits:7.1f} us ({logits / base_logits:.2f}x)  "
+              f"quant_values {values:7.1f} us ({values / base_values:.2f}x)")
+
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    gpu = sub.add_parser("attention", help="one layer's decode attention, four ways, against the copy bandwidth")
+    gpu.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gpu.add_argument("--keys", default="8192,32768")
+    gpu.add_argument("--batch", default="1,8")
+    gpu.add_argument("--bits", type=int, default=4)
+    gpu.add_argument("--repeats", type=int, default=20)
+    gpu.add_argument("--out", default=str(RESULTS / "kernels"))
+    c = sub.add_parser("c", help="the C kernel by the dtype of its stored scales and zero-points")
+    c.add_argument("--windows", type=int, default=342)
+    c.add_argument("--heads", type=int, default=3)
+    c.add_argument("--rows", type=int, default=3)
+    c.add_argument("--dim", type=int, default=64)
+    c.add_argument("--omega", type=int, default=8)
+    c.add_argument("--bits", type=int, default=4)
+    c.add_argument("--repeats", type=int, default=7)
+    c.add_argument("--calls", type=int, default=200, help="calls per timed repeat")
+    c.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; pin it on shared machines")
+    args = parser.parse_args(argv)
+    (attention if args.kernel == "attention" else c_kernel)(args)
 
 
 if __name__ == "__main__":

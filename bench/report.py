@@ -61,7 +61,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         a, b = kind.split("=", 1)[1].split(",")
         return fidelity_versus(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))), a, b)
     if kind in ("vllm_needle", "vllm_serve"):
-        from .vllm_tables import needle_table, serve_table
+        from .vllm_plugin import needle_table, serve_table
 
         name, table_of = {"vllm_needle": ("needle.jsonl", needle_table), "vllm_serve": ("serve.jsonl", serve_table)}[kind]
         return table_of(read_jsonl(sorted(f for p in paths for f in p.glob(name))))

@@ -97,6 +97,19 @@ def test_nothing_but_bench_reads_bench_s_folder():
     assert not wrong, "paths into bench/ outside bench/ and tests/:\n" + "\n".join(wrong)
 
 
+def test_bench_is_a_shelf_of_entry_points_each_on_its_readme():
+    """Every runnable bench module is listed under bench/README.md's "Running the benchmarks", and every other
+    bench module is a library some entry point imports: no script stands outside the list."""
+    readme = (ROOT / "bench" / "README.md").read_text()
+    shelf = readme.split("## Running the benchmarks", 1)[1].split("```", 2)[1]
+    modules = {path.stem: path.read_text() for path in (ROOT / "bench").glob("*.py") if path.stem != "__init__"}
+    entries = {name for name, text in modules.items() if 'if __name__ == "__main__":' in text}
+    assert entries == set(re.findall(r"python -m bench\.(\w+)", shelf))
+    imported = {name for text in modules.values() for name in re.findall(r"from \.(\w+) import", text)}
+    assert set(modules) - entries <= imported, "bench modules nothing runs or imports"
+    assert len(entries) <= 14
+
+
 def test_the_inner_checker_resolves_relative_imports(tmp_path):
     module = ROOT / "qevict_core" / "engine" / "probe_for_test.py"
     try:

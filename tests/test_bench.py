@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import conditions, drift, fidelity, needle_tiers, ruler, ruler_tasks, speed
+from bench import conditions, drift, fidelity, ruler, ruler_tasks, speed
 from bench.common import Variant, parse_shard, read_jsonl
 from bench.ruler_tasks import NOISE, TASKS, build, string_match_all
 from qevict_core.testing import tiny_chat_model, tiny_tokenizer
@@ -93,18 +93,6 @@ def test_a_variant_is_a_method_with_changed_fields_and_a_bad_one_is_refused_befo
             ruler.main(common[:-1] + [bad])
     with pytest.raises(ValueError, match="fixes omega = 1"):
         Variant.parse("r1+omega=8").make_cache(tiny_chat_model(), 0.3, 1024)
-
-
-def test_needle_tiers_finds_the_answer_and_counts_a_tier_per_layer_window(capsys):
-    tok = tiny_tokenizer()
-    ids = tok("abc One of the magic numbers is: 8653229. xyz").input_ids
-    i, j = needle_tiers.answer_span(tok, ids, "8653229")
-    assert tok.decode(ids[i:j]).strip() == "8653229"  # the shortest span holding it
-    with pytest.raises(ValueError, match="not found"):
-        needle_tiers.answer_span(tok, ids, "1111111")
-    needle_tiers.main(["--model", "tiny", "--length", "1024", "--samples", "0", "--budget", "0.3", "--bits", "2"])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "INT2: layer-windows" in line and "sample 0" in line
 
 
 def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
@@ -309,7 +297,7 @@ def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
 def test_kernel_microbenchmark_smoke(tmp_path):
     from bench import kernels
 
-    kernels.main(["--device", "cpu", "--keys", "512", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
+    kernels.main(["attention", "--device", "cpu", "--keys", "512", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
     rows = read_jsonl(list(tmp_path.glob("*.jsonl")))
     assert {r["impl"] for r in rows} == {"fused", "old_kernel", "dequant+sdpa", "sdpa_bf16"}
     by = {r["impl"]: r for r in rows}
@@ -317,15 +305,15 @@ def test_kernel_microbenchmark_smoke(tmp_path):
 
 
 def test_cpu_kernel_microbenchmark_times_every_pair_dtype_against_float32(capsys):
-    from bench import cpu_kernel
+    from bench import kernels
     from qevict_kernels import cpu_decode
 
     if cpu_decode.available() is not None:
         pytest.skip(f"the C kernel did not build: {cpu_decode.available()}")
-    timings = cpu_kernel.measure(windows=5, heads=2, rows=3, dim=64, omega=8, bits=2, repeats=1, calls=2)
+    timings = kernels.c_measure(windows=5, heads=2, rows=3, dim=64, omega=8, bits=2, repeats=1, calls=2)
     assert set(timings) == {"float32", "float16", "bfloat16"}
     assert all(t > 0 for pair in timings.values() for t in pair)
-    cpu_kernel.main(["--windows", "5", "--heads", "2", "--repeats", "1", "--calls", "2"])
+    kernels.main(["c", "--windows", "5", "--heads", "2", "--repeats", "1", "--calls", "2"])
     out = capsys.readouterr().out
     assert "5 windows x 2 KV heads" in out and "float32   quant_logits" in out and "(1.00x)" in out
 

@@ -29,7 +29,7 @@ def test_headline_pairs_only_the_samples_both_ran():
 
 
 def test_the_vllm_serving_table_pairs_scores_and_adds_qevicts_bytes_to_the_blocks():
-    from bench.vllm_tables import serve_table
+    from bench.vllm_plugin import serve_table
 
     base = {"requests": 2, "length": 2048, "seed": 0, "vllm": "0.32.0", "commit": "abc", "cores": 2,
             "pool_blocks": 100, "block_bytes": 2**20, "blocks_freed": 0, "qevict_peak_bytes": 0}

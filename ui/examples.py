@@ -15,7 +15,7 @@ from pathlib import Path
 from qevict_core import QEvictConfig
 
 AUSTEN = Path(__file__).resolve().parent / "data" / "austen.txt"
-# Written by `python -m bench.promotion_example`: a needle whose window QEvict demotes and promotes back.
+# Written by `python -m bench.studio_data promotion`: a needle whose window QEvict demotes and promotes back.
 PROMOTION = Path(__file__).with_name("promotion_example.json")
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from bench.vllm_needle import VLLM_ENV, tiers
+from bench.vllm_plugin import VLLM_ENV, tiers
 
 PREEMPTED = [0]
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds .venv-vllm and runs these")
 
-from bench.vllm_needle import engine_side  # noqa: E402
+from bench.vllm_plugin import engine_side  # noqa: E402
 from qevict_core import load_model  # noqa: E402
 from qevict_vllm.settings import config_from  # noqa: E402
 from ui.examples import austen, needle_in_austen  # noqa: E402
