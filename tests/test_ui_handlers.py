@@ -81,7 +81,8 @@ def test_failures_before_the_run_save_nothing(studio):
     assert stored() == before
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", [name if i == 0 else pytest.param(name, marks=pytest.mark.slow)
+                                  for i, name in enumerate(EXAMPLES)])  # the fast suite runs the first
 def test_every_example_runs_every_default_lane(studio, name):
     """No default path ends in "Cannot run": a lane that cannot exist at the chosen budget on a short sequence runs
     at the least it can, and its note says so in words."""

@@ -24,7 +24,7 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def others_running(samples: int = 5, gap: float = 0.02) -> int:
+def others_running(samples: int = 3, gap: float = 0.01) -> int:
     """Runnable tasks on the machine besides the one asking, the fewest seen over ``samples`` reads of
     /proc/stat (a task that merely passes by is not a load); 0 where the kernel does not say."""
     seen = []
