@@ -126,9 +126,10 @@ POISONED = [
 def test_a_bad_import_is_refused_whole_with_a_message(store, doc, message):
     store.create("already there", REQUEST)
     before = count_rows(store)
-    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")) as refused:
         store.import_session(json.dumps(doc).encode())
     assert count_rows(store) == before  # nothing half-stored
+    assert not any(kind in str(refused.value) for kind in ("Value error,", "Assertion failed,", "got None"))
 
 
 def test_an_import_over_the_size_limit_is_refused(store, monkeypatch):

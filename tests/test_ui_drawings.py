@@ -152,3 +152,17 @@ def test_the_time_left_follows_the_latest_steps_not_the_first():
     text = progress_text(Update(view, "s", "t", False, "running"))
     # 178 tokens left at 0.5 s: 89 s; the mean step so far (2.5 s) would have said 7 min
     assert text == "**Generating…** token 22 of at most 200, about 89 s left at this run's pace.", text
+
+
+def test_the_moves_list_quotes_a_window_without_the_chat_template_s_markup():
+    pieces = ["<|im_start|>", "user", "\n", "hi", "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n", "ok"] * 3
+    view = RunView({"lanes": [{"name": "q", "method": "qevict", "config": {"sinks": 2, "omega": 4}}],
+                    "config": {"sinks": 2, "omega": 4}, "sampling": {"max_new_tokens": 8}, "prompt_tokens": pieces})
+    feed(view, {"kind": "routing", "lane": "q", "step": 0, "layer": 0, "seen": 30, "recent_start": 22,
+                "full": [0], "quantized": [1, 2], "promoted": [], "demoted": [], "evicted": [3, 4], "scores": {}})
+    feed(view, {"kind": "routing", "lane": "q", "step": 8, "layer": 0, "seen": 38, "recent_start": 30,
+                "full": [1], "quantized": [0, 2], "promoted": [1], "demoted": [0], "evicted": [3, 4],
+                "scores": {}})
+    moves = cards.moves_html(view, "q", 0)
+    assert "window 1 (tokens 6–9" in moves and "promoted" in moves  # tokens 2-5 hold "hi<|im_end|>\n<|im_start|>"
+    assert "im_end" not in moves and "im_start" not in moves and "&lt;|" not in moves

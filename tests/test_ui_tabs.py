@@ -209,3 +209,29 @@ def test_the_studio_wires_each_name_to_its_component():
     panels = [f"{name}" for name in ("lanes", "stats", "bytes", "tier-map", "heatmap", "moves", "prompt-tiers")]
     assert ids(by_fn["generate"])[:9] == ["status", *panels, "share"]
     assert [name for (name,) in ViewOutputs.names()] == ["lanes", "stats", "memory", "tier", "heat", "moves", "prompt"]
+
+
+def test_a_tick_already_sent_when_pause_is_pressed_draws_no_further_step(studio):
+    class Request:
+        session_hash = "tab"
+
+    final = list(studio.run(request(methods=("qevict",), max_new=4)))[-1]
+    replay = ReplayHandlers(studio, TabRuns())
+    replay.load_replay(final.session_id, Shown(), Request())
+    moved = replay.tick(final.session_id, 0, Shown(), Request())
+    assert moved.step["value"] == 1 and moved.timer.active
+    replay.pause(Request())
+    paused = replay.tick(final.session_id, 1, Shown(), Request())
+    assert paused.timer.active is False and paused.step == gr.skip()  # the step stays where Pause found it
+    replay.play(Request())
+    assert replay.tick(final.session_id, 1, Shown(), Request()).step["value"] == 2
+
+
+def test_the_download_box_appears_only_with_an_exported_file_in_it(studio):
+    final = list(studio.run(request(methods=("fullkv",), max_new=2)))[-1]
+    saved = SessionHandlers(ReplayHandlers(studio, TabRuns()))
+    box, status = saved.export_session(final.session_id)
+    assert box["visible"] is True and json.load(open(box["value"]))["session"]["id"] == final.session_id
+    assert status.startswith("Exported")
+    box, status = saved.export_session("no-such-id")
+    assert box["visible"] is False and box["value"] is None and status.startswith("**No such session")
