@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
+
+from .scorer_files import KINDS, scorer_files
 
 BITS = (2, 4)
 SCALE_DTYPES = ("model", "float16", "bfloat16")
 KV_DTYPES = ("bfloat16", "float16", "model")
 POOL_DIRECTIONS = ("both", "forward")
 KERNEL_SETTINGS = ("auto", "triton", "cpu", "torch")
-# A scorer is one file of engine/scorers/ named after it (tests/test_architecture.py checks the names match),
-# listed without importing it: the engine's modules import torch.
-SCORERS = tuple(sorted(p.stem for p in (Path(__file__).parent / "engine" / "scorers").glob("*.py")
-                       if p.stem not in ("__init__", "scorer_base")))
+# A scorer is one file of engine/scorers/ named after it (tests/test_architecture.py checks the names match), read
+# without importing it (scorer_files.py): the engine's modules import torch.
+SCORER_FILES = scorer_files()
+SCORERS = tuple(SCORER_FILES)
 GROUPS = ("method", "scorer", "head", "capacity", "run")
 
 
@@ -92,6 +93,23 @@ def knob(default: Any, group: str, help: str, kind: type, **rules: Any) -> Any:
     return field(default=default, metadata={"knob": Knob(group, help, kind, **rules)})
 
 
+def _scorer_fields() -> dict[str, tuple[str, Any]]:
+    """Each scorer's own settings (engine/scorers/<name>.py: PARAMETERS) as QEvictConfig fields of group "scorer":
+    name -> (annotation, field). The CLI's flags, the vLLM plugin's settings and ``method+field=value`` read them as
+    they read every other field."""
+    out = {}
+    for scorer in SCORER_FILES.values():
+        for name, spec in scorer.parameters.items():
+            rules = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
+                     if k not in ("default", "help", "kind")}
+            out[name] = (spec["kind"], knob(spec["default"], "scorer", f"{spec['help']} ({scorer.name} scorer)",
+                                            KINDS[spec["kind"]], **rules))
+    return out
+
+
+SCORER_FIELDS = _scorer_fields()
+
+
 @dataclass(frozen=True)
 class QEvictConfig:
     """Knobs of the three-tier cache. The defaults are QEvict's, chosen on development data by the rule in
@@ -132,8 +150,11 @@ class QEvictConfig:
     promotion: bool = knob(True, "method", "allow Quantized -> Full promotion (False: the one-way ablation)", bool)
     prefill_window: int = knob(32, "method", "a prompt scores windows with its last prefill_window queries only (an "
                                "observation window, as SnapKV); 0 = every prompt query (Eq. 1 literally)", int, low=0)
-    decay: float = knob(0.99, "scorer", "λ of the decay scorer", float, low=0, high=1, open=("low",))
-    p: float = knob(3.0, "scorer", "exponent of the pnorm scorer", float, low=1)
+    # Each scorer's own settings, declared in its file: fields here like any other (see SCORER_FIELDS)
+    if SCORER_FIELDS.keys() & vars().keys():
+        raise TypeError(f"a scorer declares a setting QEvictConfig already has: {SCORER_FIELDS.keys() & vars().keys()}")
+    __annotations__.update({name: kind for name, (kind, _) in SCORER_FIELDS.items()})
+    vars().update({name: spec for name, (_, spec) in SCORER_FIELDS.items()})
     head_blend: float = knob(0.5, "head", "β of qevict_head: each KV head ranks windows by (1 - β)·its own ranking "
                              "+ β·the mean of its layer's heads'", float, low=0, high=1)
     head_floor: float = knob(0.2, "head", "α of qevict_head: the share of the uniform capacities K_f, K_q every "
@@ -171,13 +192,10 @@ class QEvictConfig:
         if (self.k_full is None) != (self.k_quant is None):
             raise ValueError(f"k_full and k_quant are set together or not at all (got k_full={self.k_full!r}, "
                              f"k_quant={self.k_quant!r})")
-        if self.pool:
-            from .engine.scorers import SCORERS as classes  # imports torch: only a pooled config asks
-
-            if not classes[self.scorer].needs_attention:
-                pooled = tuple(name for name, cls in classes.items() if cls.needs_attention)
-                raise ValueError(f"pool needs an attention scorer {pooled}, not {self.scorer}, whose scores are not "
-                                 f"attention masses (got pool={self.pool!r})")
+        if self.pool and not SCORER_FILES[self.scorer].needs_attention:
+            pooled = tuple(name for name, scorer in SCORER_FILES.items() if scorer.needs_attention)
+            raise ValueError(f"pool needs an attention scorer {pooled}, not {self.scorer}, whose scores are not "
+                             f"attention masses (got pool={self.pool!r})")
 
     def storage_dtype(self, model_dtype):
         """The dtype every full-precision key and value is stored in, for a model computing in ``model_dtype``."""

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from .config import SCORERS, QEvictConfig
+from .config import SCORER_FILES, SCORERS, QEvictConfig
 
 POLICIES = "qevict_core.baselines.policies"
 
@@ -110,10 +110,8 @@ def _cache(module: str, cls: str, **kwargs) -> Callable[..., Any]:
 
 def _scorer_fixes(scorer: str) -> Callable[[], Mapping[str, Any]]:
     def fixes() -> Mapping[str, Any]:
-        from .engine.scorers import SCORERS as classes
-
         # pooling reads attention masses: a scorer without them ranks unpooled
-        return dict(scorer=scorer, **({} if classes[scorer].needs_attention else {"pool": 0}))
+        return dict(scorer=scorer, **({} if SCORER_FILES[scorer].needs_attention else {"pool": 0}))
     return fixes
 
 

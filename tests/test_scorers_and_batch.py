@@ -134,3 +134,41 @@ def test_forward_pooling_lends_a_score_to_the_windows_after_it_only():
     assert two[0, 4] == pytest.approx(5.0 * (1 - 1e-3)) and two[0, 1] == pytest.approx(0.1 * (1 - 1e-3))
 
 
+
+
+def test_what_the_scorer_files_declare_is_what_their_classes_do():
+    """config.py reads each scorer file without importing it (scorer_files.py): whether it needs attention and its
+    own settings, which are fields of its class with the same defaults, and fields of the config."""
+    from dataclasses import fields
+
+    from qevict_core.config import SCORER_FILES
+    from qevict_core.engine.scorers import SCORERS, Scorer
+
+    assert set(SCORER_FILES) == set(SCORERS)
+    base = {f.name for f in fields(Scorer)}
+    for name, declared in SCORER_FILES.items():
+        cls = SCORERS[name]
+        assert declared.needs_attention == cls.needs_attention, name
+        own = {f.name: f.default for f in fields(cls) if f.name not in base}
+        assert own == {k: spec["default"] for k, spec in declared.parameters.items()}, name
+        assert set(own) <= set(QEvictConfig.knobs("scorer"))
+    assert QEvictConfig.knobs("scorer")["decay"].help.endswith("(decay scorer)")
+
+
+def test_a_new_scorer_s_setting_is_read_from_its_file_and_a_clash_is_refused(tmp_path):
+    from qevict_core.scorer_files import scorer_files
+
+    (tmp_path / "sharp.py").write_text(
+        'PARAMETERS = {"sharpness": {"default": 2, "help": "how sharp", "kind": "int", "low": 1}}\n\n\n'
+        "class SharpScorer:\n    name = 'sharp'\n    needs_attention = False\n")
+    (tmp_path / "plain.py").write_text("class PlainScorer:\n    name = 'plain'\n")
+    found = scorer_files(tmp_path)
+    assert list(found) == ["plain", "sharp"] and found["plain"].needs_attention and not found["plain"].parameters
+    assert found["sharp"].parameters == {"sharpness": {"default": 2, "help": "how sharp", "kind": "int", "low": 1}}
+    assert found["sharp"].needs_attention is False
+    (tmp_path / "twin.py").write_text('PARAMETERS = {"sharpness": {"default": 1, "help": "h", "kind": "int"}}\n')
+    with pytest.raises(TypeError, match="both declare a setting 'sharpness'"):
+        scorer_files(tmp_path)
+    (tmp_path / "twin.py").write_text('PARAMETERS = {"width": {"default": 1, "kind": "int"}}\n')
+    with pytest.raises(TypeError, match=r"PARAMETERS\['width'\] needs default, help and kind"):
+        scorer_files(tmp_path)

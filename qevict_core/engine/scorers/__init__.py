@@ -1,7 +1,8 @@
 """Window ranking functions (Section 4.2 and Appendix J), one file each, found here by their ``name``.
 
-A new scorer is one file in this package with a ``Scorer`` subclass (scorer_base.py) that sets ``name``; nothing
-else changes: ``QEvictConfig(scorer=name)`` accepts it and the registry's ``qevict_<name>`` ablation runs it.
+A new scorer is one file in this package with a ``Scorer`` subclass (scorer_base.py) that sets ``name``, and its own
+settings, if any, in a ``PARAMETERS`` literal; nothing else changes: ``QEvictConfig(scorer=name)`` accepts it, its
+settings are config fields and CLI flags, and the registry's ``qevict_<name>`` ablation runs it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from .scorer_base import Scorer
 
+# This scorer's own settings, QEvictConfig fields (qevict_core/scorer_files.py reads this literal without importing
+# the module): name -> default, help, kind and the allowed values (config.Knob's low, high, open, choices).
+PARAMETERS = {"decay": {"default": 0.99, "help": "λ, the share of a window's score kept at each routing event",
+                        "kind": "float", "low": 0, "high": 1, "open": ("low",)}}
+
 
 @dataclass
 class DecayScorer(Scorer):
@@ -13,11 +18,7 @@ class DecayScorer(Scorer):
     λ S_{t-Ω} and the next event ranks exactly Eq. 22's value."""
 
     name = "decay"
-    decay: float = 0.99
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction, decay=cfg.decay)
+    decay: float = PARAMETERS["decay"]["default"]
 
     def carry(self, table):
         table.mul_(self.decay)

@@ -6,18 +6,19 @@ from dataclasses import dataclass
 
 from .scorer_base import Scorer
 
+# This scorer's own settings, QEvictConfig fields (qevict_core/scorer_files.py reads this literal without importing
+# the module): name -> default, help, kind and the allowed values (config.Knob's low, high, open, choices).
+PARAMETERS = {"p": {"default": 3.0, "help": "the exponent p: how much more an interval's peaks count than its "
+                    "spread", "kind": "float", "low": 1}}
+
 
 @dataclass
 class PNormScorer(Scorer):
     """Eq. 23: S_t = (Σ_r u_r^p)^(1/p). The table keeps Σ u^p, which sorts the same way."""
 
     name = "pnorm"
-    p: float = 3.0
+    p: float = PARAMETERS["p"]["default"]
     keeps_interval = True
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction, p=cfg.p)
 
     def mass_table(self, table, interval):
         return interval

@@ -10,11 +10,14 @@ pools that key over neighbouring windows at every event when the config asks for
 
 A scorer is one file in this package: a ``Scorer`` subclass with a ``name`` (the value of ``QEvictConfig.scorer``
 that selects it); ``scorers/__init__.py`` finds it, and the config, the CLI, the studio and the registry's
-``qevict_<name>`` ablation list it.
+``qevict_<name>`` ablation list it. Its own settings are a ``PARAMETERS`` literal in its module (decay.py shows
+one): each becomes a ``QEvictConfig`` field, read without importing the module (``qevict_core/scorer_files.py``),
+and a field of the class of the same name, which ``from_config`` fills.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -40,10 +43,12 @@ class Scorer:
 
     @classmethod
     def from_config(cls, cfg: QEvictConfig) -> Scorer:
-        """This scorer with the config's pooling (attention scorers) and its own parameters."""
+        """This scorer with the config's pooling (attention scorers) and its own settings (its module's
+        ``PARAMETERS``, fields of the config)."""
+        own = {name: getattr(cfg, name) for name in getattr(sys.modules[cls.__module__], "PARAMETERS", {})}
         if not cls.needs_attention:
-            return cls()
-        return cls(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction)
+            return cls(**own)
+        return cls(pool=cfg.pool, pool_weight=cfg.pool_weight, pool_direction=cfg.pool_direction, **own)
 
     def fold(self, table: torch.Tensor, interval: torch.Tensor | None, ids: torch.Tensor, mass: torch.Tensor) -> None:
         """Add one step's attention mass ``mass`` (B, n) of windows ``ids`` (B, n), distinct per row, in place:
