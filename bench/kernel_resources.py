@@ -21,7 +21,7 @@ import tempfile
 from itertools import product
 from pathlib import Path
 
-from .common import RESULTS
+from .common import RESULTS, run_metadata
 
 SPLIT_SIGNATURE = {"q_ptr": "*bf16", "k_codes_ptr": "*u8", "k_scale_ptr": "*{pair}", "k_zero_ptr": "*{pair}",
                    "v_codes_ptr": "*u8", "v_scale_ptr": "*{pair}", "v_zero_ptr": "*{pair}", "ids_ptr": "*i32",
@@ -98,9 +98,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     build = compile_here if args.device == "cuda" else compile_for_sm90
+    import triton
+
+    meta = run_metadata("fused low-bit kernels", args.device if args.device == "cuda" else "cpu") | {
+        "triton": triton.__version__}
     rows = []
     for config in configurations():
-        row = {k: v for k, v in config.items() if k != "constants"} | build(config) | {"target": args.device}
+        row = {k: v for k, v in config.items() if k != "constants"} | build(config) | {"target": args.device, **meta}
         rows.append(row)
         print(f"{row['kernel']:6s} D={row['D']:3d} R={row['R']} INT{row['BITS'] or '-'} {row['pair'] or '':4s} "
               f"registers {row['registers']:3d}  stack/spills {row['stack']:4d}  shared {row['shared'] / 1024:6.1f} KB")
@@ -109,6 +113,18 @@ def main(argv=None) -> None:
     path = out / f"{args.device}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {path}")
+
+
+def table(rows: list[dict]) -> str:
+    """One line per shipped configuration: registers, stack (spills) and shared memory of what was compiled."""
+    first = rows[0]
+    lines = ["| kernel | head_dim | query rows | KV heads | bits | pair dtype | registers | stack B | shared KB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['D']} | {r['R']} | {r['HKV']} | {r['BITS'] or '—'} | {r['pair'] or '—'} | "
+                     f"{r['registers']} | {r['stack']} | {r['shared'] / 1024:.1f} |")
+    return (f"Compiled for {first['target']} with Triton {first['triton']}'s bundled ptxas, commit {first['commit']}, "
+            f"{first['date']}; 4 warps.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and
 paper's claims beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER
 score / fidelity KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length;
 ``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
-or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows. ``tests/test_bench_docs.py`` fails when
+or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows; ``resources``: the fused kernels' registers,
+spills and shared memory (bench/kernel_resources.py). ``tests/test_bench_docs.py`` fails when
 the committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are
 read together).
 """
@@ -94,6 +95,10 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         from .conditions import table_text
 
         return table_text(json.loads((paths[0] / "diagnostics.json").read_text()))
+    if kind == "resources":
+        from .kernel_resources import table as resources_table
+
+        return resources_table(read_jsonl(sorted(f for p in paths for f in p.glob("*.jsonl"))))
     if kind == "claims":
         from .claims import table as claims_table
 
@@ -103,7 +108,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, drift=A,B")
+                     "choice, claims, resources, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, "
+                     "drift=A,B")
 
 
 def footing(folders: str, results: Path = RESULTS) -> str:
