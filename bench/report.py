@@ -112,9 +112,9 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
                      "drift=A,B")
 
 
-def footing(folders: str, results: Path = RESULTS) -> str:
-    """One line under a table: what its caches were stored in and whether its rows came from committed code, read
-    from the rows themselves (every JSONL under the folders)."""
+def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:
+    """One line under a table: what its caches were stored in (rows of runs with caches) and whether its rows came
+    from committed code, read from the rows themselves (every JSONL under the folders)."""
     rows = read_jsonl(sorted(f for name in folders.split("+") for f in (results / name).rglob("*.jsonl")))
     if not rows:
         return ""
@@ -130,7 +130,7 @@ def footing(folders: str, results: Path = RESULTS) -> str:
             words.append("the model's dtype (rows from before 16-bit caches)")
     dirty = sum(bool(r.get("dirty")) for r in rows)
     commits = sorted({r["commit"] for r in rows if r.get("commit")})
-    line = f"*Caches stored in {' and '.join(words)}. Rows: {len(rows)}"
+    line = f"*Caches stored in {' and '.join(words)}. Rows: {len(rows)}" if caches else f"*Rows: {len(rows)}"
     line += f" at commit{'s' if len(commits) > 1 else ''} {', '.join(commits[:4])}{' …' if len(commits) > 4 else ''}"
     line += f", {dirty} from a tree with uncommitted changes.*" if dirty else ".*"
     return line
@@ -140,7 +140,8 @@ def rendered(text: str, results: Path = RESULTS) -> str:
     """``text`` with every marked table rendered afresh, each with its footing line."""
     def table(m) -> str:
         body = render(m.group(2), m.group(3), results).rstrip("\n")
-        line = footing(m.group(3), results) if m.group(2) != "conditions" else ""
+        kind = m.group(2)
+        line = footing(m.group(3), results, caches=kind != "resources") if kind != "conditions" else ""
         return m.group(1) + body + ("\n\n" + line if line else "") + "\n" + m.group(5)
     return MARKER.sub(table, text)
 
