@@ -3,16 +3,15 @@
 A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report -->``; ``python -m bench.report``
 replaces what lies between with the table of KIND rendered from the rows under ``bench/results/FOLDER``, each with a
 footing line read from the rows (what the caches were stored in, the commits, rows from a dirty tree), and redraws
-the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds:
-``ruler``, ``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``, ``claims`` (the
-paper's claims beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER
-score / fidelity KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length;
-``drift`` / ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method
-or for A and B; ``vllm_needle`` / ``vllm_serve``: the vLLM plugin's rows; ``resources``: the fused kernels' registers,
-spills and shared memory (bench/kernel_resources.py). ``tests/test_bench_docs.py`` fails when
-the committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are
-read together).
-"""
+the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds: ``ruler``,
+``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``, ``claims`` (the paper's claims
+beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity
+KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length; ``drift`` /
+``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method or for A and
+B; ``vllm_needle`` / ``vllm_serve`` / ``vllm_served``: the vLLM plugin's rows; ``resources``: the fused kernels'
+registers, spills and shared memory (bench/kernel_resources.py). ``tests/test_bench_docs.py`` fails when the
+committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
+together)."""
 
 from __future__ import annotations
 
@@ -61,6 +60,10 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
         a, b = kind.split("=", 1)[1].split(",")
         return fidelity_versus(read_jsonl(sorted(f for p in paths for f in p.glob("fidelity*.jsonl"))), a, b)
+    if kind == "vllm_served":
+        from .vllm_served import table as served_table
+
+        return served_table(read_jsonl(sorted(f for p in paths for f in p.glob("served.jsonl"))))
     if kind in ("vllm_needle", "vllm_serve"):
         from .vllm_plugin import needle_table, serve_table
 
@@ -108,8 +111,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, resources, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, drift, "
-                     "drift=A,B")
+                     "choice, claims, resources, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, "
+                     "vllm_served, drift, drift=A,B")
 
 
 def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:

@@ -1,5 +1,6 @@
 """The vLLM plugin (qevict_vllm) measured: the studio's needle example beside the transformers engine (``needle``),
-and several long requests served at once, vLLM alone and with QEvict (``serve``); their tables for docs/vllm.md.
+several long requests served at once, vLLM alone and with QEvict (``serve``), and the same measured through an
+OpenAI server by vLLM's own serving benchmark (``served``, bench/vllm_served.py); their tables for docs/vllm.md.
 
 Run in the vLLM environment (``make setup-vllm`` builds it):
 
@@ -282,7 +283,22 @@ def main(argv=None) -> None:
     many.add_argument("--rounds", type=int, default=2)
     many.add_argument("--out", type=Path, default=None)
     many.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one setting, in this process
+    server = sub.add_parser("served", help="an OpenAI server per setting, measured by vLLM's serving benchmark")
+    server.add_argument("--budgets", default="0.1,0.2")
+    server.add_argument("--lengths", default="2048,4096,8192")
+    server.add_argument("--samples", type=int, default=2, help="samples per task and length (4 tasks)")
+    server.add_argument("--seed", type=int, default=0)
+    server.add_argument("--rounds", type=int, default=1)
+    server.add_argument("--kv-space", type=float, default=1.0, help="vLLM's KV pool, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    server.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.run == "served":
+        from .vllm_served import served
+
+        for row in served(args, {**run_metadata("SmolLM2-135M-Instruct", "cpu"), "vllm": version("vllm-cpu")}):
+            if args.out:
+                append_jsonl(args.out / "served.jsonl", row)
+        return
     needle(args) if args.run == "needle" else serve_settings(args)
 
 

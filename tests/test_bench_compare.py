@@ -47,6 +47,29 @@ def test_the_vllm_serving_table_pairs_scores_and_adds_qevicts_bytes_to_the_block
     assert qevict[8] == "40"
 
 
+def test_the_served_table_pairs_answers_with_vllm_alone_and_takes_medians_of_vllms_figures():
+    from bench.vllm_served import table
+
+    base = {"requests": 2, "lengths": [2048, 4096], "seed": 0, "kv_space_gib": 1.0, "vllm": "0.32.0",
+            "commit": "abc", "cores": 2, "failed": 0, "peak_waiting": 0.0, "output_throughput": 10.0,
+            "p50_ttft_ms": 1000.0, "p99_ttft_ms": 3000.0, "p50_tpot_ms": 50.0, "p99_tpot_ms": 90.0,
+            "p50_e2el_ms": 2000.0, "p99_e2el_ms": 5000.0}
+    rows = [{**base, "method": "vllm", "budget": None, "scores": [1.0, 0.0], "peak_running": 1.0,
+             "peak_waiting": 1.0, "request_throughput": 0.1},
+            {**base, "method": "qevict", "budget": 0.2, "scores": [1.0, 1.0], "peak_running": 2.0,
+             "request_throughput": 0.2},
+            {**base, "method": "qevict", "budget": 0.2, "scores": [1.0, 1.0], "peak_running": 2.0,
+             "request_throughput": 0.4, "round": 1}]
+    text = table(rows)
+    assert "2 RULER-style prompts (2,048, 4,096 tokens, seed 0)" in text and "1 GiB KV pool" in text
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines() if line.startswith("| vLLM")}
+    alone, qevict = lines["vLLM alone"], lines["vLLM + QEvict @20%"]
+    assert alone[1:4] == ["50.0", "—", "1; 1"] and qevict[1] == "100.0" and qevict[2].startswith("+50.0 [")
+    assert qevict[3] == "2; 0" and qevict[4] == "0.300"  # the median of 0.2 and 0.4 requests/s
+    assert qevict[6:9] == ["1.0 / 3.0", "50 / 90", "2.0 / 5.0"]
+
+
 def test_drift_pairs_kl_and_slope_by_passage_with_the_lowest_kl_baseline():
     from bench.compare import drift_paired
 
