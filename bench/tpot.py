@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from qevict_core.timing import interleaved_steps
 
-from .common import RESULTS, Variant, add_model_args, method_lanes
+from .common import RESULTS, Variant, add_model_args, kv_dtype, method_lanes
 from .speed import load, prompt_ids, routing_overhead
 
 
@@ -36,6 +36,11 @@ def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, floa
     variants = {spec: Variant.parse(spec) for spec, _ in lanes}
     caches = {spec: variants[spec].make_cache(model, budget, prompt.shape[1] + new_tokens) for spec, budget in lanes}
     return interleaved_steps(model, prompt, caches, new_tokens, {spec: v.chunk for spec, v in variants.items()})
+
+
+def kv_dtypes(model, lanes: list[tuple[str, float | None]], max_length: int) -> dict[str, str]:
+    """What each lane's cache stores its full-precision keys and values in (a cache as the run builds it)."""
+    return {spec: kv_dtype(Variant.parse(spec).make_cache(model, budget, max_length)) for spec, budget in lanes}
 
 
 def summarise(steps: list[tuple[float, bool]]) -> dict:
@@ -52,14 +57,14 @@ def run(model, tokenizer, lanes, context: int, new_tokens: int, rounds: int, bas
         for res in summary.values():
             res["tpot_vs_baseline"] = res["tpot"] / summary[baseline]["tpot"]
         per_round.append(summary)
-    rows = []
+    rows, stored = [], kv_dtypes(model, lanes, prompt.shape[1] + new_tokens)
     for spec, budget in lanes:
         runs = [r[spec] for r in per_round]
         row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         ratios = [r["tpot_vs_baseline"] for r in runs]
         rows.append({"method": spec, "budget": budget, "context": context, "new_tokens": new_tokens,
                      "rounds": rounds, "baseline": baseline, **row, "tpot_vs_baseline_min": min(ratios),
-                     "tpot_vs_baseline_max": max(ratios)})
+                     "tpot_vs_baseline_max": max(ratios), "kv_dtype": stored[spec]})
     return rows
 
 

@@ -274,6 +274,7 @@ def test_tpot_side_by_side_smoke(tmp_path):
         rows["qevict_head"]["tpot_vs_baseline"] <= rows["qevict_head"]["tpot_vs_baseline_max"]
     # 17 steps at Ω = 8 hold two routing events: both QEvict lanes report one, FullKV none
     assert "routing_extra" in rows["qevict_head"] and "routing_extra" not in rows["fullkv"]
+    assert {r["kv_dtype"] for r in rows.values()} == {"bfloat16"}  # every lane says what it stored (the default)
     assert "| 512 | qevict_head |" in next(tmp_path.glob("*.md")).read_text()
     with pytest.raises(ValueError, match=r"--baseline must be one of --methods \['fullkv'\]"):
         tpot.main(["--model", "tiny", "--methods", "fullkv", "--baseline", "qevict", "--out", str(tmp_path)])
