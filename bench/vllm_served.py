@@ -53,7 +53,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: str, port: int, budget: float | None, kv_space_gib: float, max_len: int):
+def start_server(model_dir: str, port: int, budget: float | None, kv_space_gib: int, max_len: int):
     """An OpenAI server of vLLM on ``port``: KV blocks of 32 tokens, no prefix caching, the pool fixed at
     ``kv_space_gib``; with QEvict at ``budget`` when given (its options as the server's flags)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
@@ -124,7 +124,7 @@ def benchmark(port: int, model_dir: str, dataset: Path, requests: int, out: Path
     return serve.main(args)
 
 
-def run_setting(model_dir: str, jobs: list[dict], dataset: Path, budget: float | None, kv_space_gib: float,
+def run_setting(model_dir: str, jobs: list[dict], dataset: Path, budget: float | None, kv_space_gib: int,
                 max_len: int) -> dict:
     port = free_port()
     proc, log = start_server(model_dir, port, budget, kv_space_gib, max_len)
