@@ -1,6 +1,7 @@
 """The generation event is callable as ``/generate`` with gradio_client; concurrent callers are queued and each
 gets its own session."""
 
+import dataclasses
 import socket
 
 
@@ -78,3 +79,24 @@ def test_the_published_schema_is_the_validators():
     assert params["present"] == {"type": "boolean"}
     for bits in params["bits"]["enum"]:
         parse_request(Controls.lanes(["qevict"], prompt="hi", bits=bits, max_new_tokens=4))
+
+
+def test_the_form_s_config_fields_come_from_the_config_s_declaration(monkeypatch):
+    """Each config control's range, choices and type are QEvictConfig's declaration (config.Knob), narrowed only
+    where the studio caps it (ui.form.CAPS); whether a scorer may be pooled is its file's, never a name in the form."""
+    from qevict_core import QEvictConfig
+    from qevict_core.config import SCORER_FILES
+    from ui import form
+
+    knobs = QEvictConfig.knobs()
+    for name in ("budget", "omega", "q_frac", "sinks", "recent", "coverage"):
+        low, high = form.CAPS.get(name, (None, None))
+        schema = form.api_schema(name)
+        assert schema.get("minimum", schema.get("exclusiveMinimum")) == (knobs[name].low if low is None else low)
+        assert schema.get("maximum") == (knobs[name].high if high is None else high), name
+    assert form.api_schema("scorer")["enum"] == list(knobs["scorer"].choices)
+    assert form.api_schema("bits")["enum"] == list(knobs["bits"].choices)
+    pooled = form.parse_request(form.Controls.lanes(["qevict"], prompt="hi", scorer="decay"))
+    assert pooled.config.pool == QEvictConfig().pool
+    monkeypatch.setitem(SCORER_FILES, "decay", dataclasses.replace(SCORER_FILES["decay"], needs_attention=False))
+    assert form.parse_request(form.Controls.lanes(["qevict"], prompt="hi", scorer="decay")).config.pool == 0

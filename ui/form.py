@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from qevict_core import QEvictConfig, Sampling
-from qevict_core.config import BITS, SCORERS
+from qevict_core.config import BITS, SCORER_FILES, SCORERS
 from qevict_core.registry import METHODS
 from storage.schema import MAX_PROMPT_CHARS, message
 
@@ -44,6 +44,26 @@ def _whole(value: Any) -> Any:
 
 
 Whole = Annotated[int, BeforeValidator(_whole)]
+# The studio's own limits where they are tighter than the library's (a public form: no visitor asks for a 10,000-token
+# Ω), as (lowest, highest) replacing the declaration's end; coverage 0 stands for None (Eq. 3's split by q).
+CAPS = {"budget": (0.01, None), "omega": (None, 64), "sinks": (None, 64), "recent": (None, 1024),
+        "coverage": (0.0, None)}
+
+
+def knob_field(name: str) -> Any:
+    """The form's type for the config field ``name``: its declaration (``QEvictConfig.knobs()``: kind, range,
+    choices), narrowed by ``CAPS``. The API's schema is read from the form, so it says the same."""
+    spec = QEvictConfig.knobs()[name]
+    kind = Whole if spec.kind is int else spec.kind
+    if spec.choices is not None:
+        return Annotated[kind, Field(json_schema_extra={"enum": list(spec.choices)})]
+    if spec.kind is bool:
+        return bool
+    low, high = CAPS.get(name, (None, None))
+    bounds = {("ge" if low is not None or "low" not in spec.open else "gt"): spec.low if low is None else low,
+              ("le" if high is not None or "high" not in spec.open else "lt"): spec.high if high is None else high}
+    return Annotated[kind, Field(**{k: v for k, v in bounds.items() if v is not None},
+                                 **({"allow_inf_nan": False} if spec.kind is float else {}))]
 
 
 class RunForm(BaseModel):
@@ -53,15 +73,15 @@ class RunForm(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
     lanes: Annotated[list[str | None], Field(min_length=1, max_length=3)]
-    budget: Annotated[float, _number(0.01, 1.0)]
-    omega: Annotated[Whole, Field(ge=1, le=64)]
-    q_frac: Annotated[float, _number(0.0, 1.0)]
-    coverage: Annotated[float, _number(0.0, 1.0)] = QEvictConfig().coverage or 0.0  # 0: Eq. 3's split by q
-    bits: Annotated[Whole, Field(json_schema_extra={"enum": list(BITS)})]
-    sinks: Annotated[Whole, Field(ge=0, le=64)]
-    recent: Annotated[Whole, Field(ge=0, le=1024)]
-    scorer: Annotated[str, Field(json_schema_extra={"enum": list(SCORERS)})]
-    promotion: bool
+    budget: knob_field("budget")
+    omega: knob_field("omega")
+    q_frac: knob_field("q_frac")
+    coverage: knob_field("coverage") = QEvictConfig().coverage or 0.0  # 0: Eq. 3's split by q
+    bits: knob_field("bits")
+    sinks: knob_field("sinks")
+    recent: knob_field("recent")
+    scorer: knob_field("scorer")
+    promotion: knob_field("promotion")
     max_new_tokens: Annotated[Whole, Field(ge=1, le=MAX_NEW_TOKENS)]
     temperature: Annotated[float, _number(0.0, 2.0)] = 0.0
     seed: Annotated[Whole, Field(ge=0, le=2**31 - 1)] = 0
@@ -179,8 +199,8 @@ def parse_request(controls: Controls) -> RunRequest:
     config = QEvictConfig(budget=form.budget, omega=form.omega, q_frac=form.q_frac, coverage=form.coverage or None,
                           bits=form.bits, sinks=form.sinks, recent=form.recent, scorer=form.scorer,
                           promotion=form.promotion, record_events=True,
-                          # keynorm's scores are not attention masses, so nothing pools them
-                          **({"pool": 0} if form.scorer == "keynorm" else {}))
+                          # an attention-free scorer's scores are not attention masses, so nothing pools them
+                          **({} if SCORER_FILES[form.scorer].needs_attention else {"pool": 0}))
     sampling = Sampling(max_new_tokens=form.max_new_tokens, temperature=form.temperature, seed=form.seed)
     return RunRequest(form.prompt, chosen, config, sampling, form.expected.strip())
 
