@@ -144,7 +144,9 @@ def rendered(text: str, results: Path = RESULTS) -> str:
     def table(m) -> str:
         body = render(m.group(2), m.group(3), results).rstrip("\n")
         kind = m.group(2)
-        line = footing(m.group(3), results, caches=kind != "resources") if kind != "conditions" else ""
+        # rows without a cache of QEvict's (kernels compiled; a vLLM server's own KV, said in its table's header)
+        line = footing(m.group(3), results, caches=kind not in ("resources", "vllm_served")) if kind != "conditions" \
+            else ""
         return m.group(1) + body + ("\n\n" + line if line else "") + "\n" + m.group(5)
     return MARKER.sub(table, text)
 

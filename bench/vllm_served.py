@@ -30,6 +30,7 @@ from .ruler_tasks import DEFAULT_TASKS, TASKS, sample_seed, sized_sample, string
 METRICS = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
            "kv_use": "vllm:kv_cache_usage_perc"}
 PERCENTILES = "50,90,99"
+DTYPE = "float32"  # the served model's dtype, and so its KV cache's (vLLM's cache_dtype "auto")
 
 
 def prompts(lengths: list[int], samples: int, seed: int) -> list[dict]:
@@ -58,7 +59,7 @@ def start_server(model_dir: str, port: int, budget: float | None, kv_space_gib: 
     ``kv_space_gib``; with QEvict at ``budget`` when given (its options as the server's flags)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    flags = ["--model", model_dir, "--dtype", "float32", "--max-model-len", str(max_len), "--port", str(port),
+    flags = ["--model", model_dir, "--dtype", DTYPE, "--max-model-len", str(max_len), "--port", str(port),
              "--block-size", "32", "--no-enable-prefix-caching"]
     if budget is not None:
         import qevict_vllm
@@ -202,6 +203,7 @@ def table(rows: list[dict]) -> str:
     first = rows[0]
     lengths = ", ".join(f"{n:,}" for n in first["lengths"])
     return (f"{first['requests']} RULER-style prompts ({lengths} tokens, seed {first['seed']}) sent at once to a vLLM "
-            f"server with a {first['kv_space_gib']:g} GiB KV pool, measured by vLLM's serving benchmark; "
+            f"server with a {first['kv_space_gib']:g} GiB KV pool in {DTYPE} (the served model's dtype), measured "
+            f"by vLLM's serving benchmark; "
             f"{len(alone)} round(s) per setting, vLLM {first['vllm']}, commit "
             f"{', '.join(sorted({r['commit'] for r in rows}))}, {first['cores']} cores.\n\n" + "\n".join(lines) + "\n")
