@@ -140,6 +140,7 @@ def run_setting(model_dir: str, jobs: list[dict], dataset: Path, budget: float |
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    os.unlink(log)  # kept only when the server failed: the error quotes it
     texts = result.pop("generated_texts")
     scores = [string_match_all(text, tuple(job["answers"])) for text, job in zip(texts, jobs)]
     keep = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and not k.startswith("date")}
