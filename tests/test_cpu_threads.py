@@ -3,12 +3,12 @@ whichever thread Gradio resumes it."""
 
 from __future__ import annotations
 
-import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from bench.studio_latency import spinning
 from qevict_core.testing import tiny_chat_model, tiny_tokenizer
 from tests.conftest import random_prompt
 from ui import cpu_threads
@@ -17,19 +17,9 @@ from ui.jobs import RunJob, run_events
 LANES = (("fullkv", "fullkv"), ("qevict", "qevict"))
 
 
-def _spin() -> None:
-    while True:
-        pass
-
-
 def test_a_spinning_process_counts_as_another_one_running():
-    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
-    spinner.start()
-    try:
+    with spinning(1):
         assert cpu_threads.others_running() >= 1
-    finally:
-        spinner.terminate()
-        spinner.join()
 
 
 @pytest.mark.parametrize(("others", "limit", "expected"), [(0, 2, 2), (1, 2, 1), (5, 2, 1), (0, 1, 1)])
