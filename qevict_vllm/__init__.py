@@ -22,7 +22,8 @@ __all__ = ["kv_transfer_config", "options", "register", "report"]
 
 def report(llm=None) -> dict:
     """What QEvict holds and what vLLM got back: per request still registered (and the few last finished), its
-    cache's bytes (``memory_report``) and moves, and ``blocks_freed``, the KV blocks handed back to vLLM's pool.
+    cache's bytes (``memory_report``) and moves; ``blocks_freed``, the KV blocks handed back to vLLM's pool, and
+    ``blocks_kept``, those kept allocated for its QEvict store (its budget in blocks, counted by vLLM's admission).
     ``llm``: the ``LLM`` whose worker to ask, in vLLM's default multiprocess mode too; None: this process's own
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     if llm is not None:
@@ -37,7 +38,7 @@ def report_here() -> dict:
 
     registry = connector.ACTIVE.get("worker")
     running = registry.report() if registry is not None else {}
-    return {"requests": running, "blocks_freed": dict(connector.FREED)}
+    return {"requests": running, "blocks_freed": dict(connector.FREED), "blocks_kept": dict(connector.KEPT)}
 
 
 def register() -> None:

@@ -4,7 +4,8 @@ The stock backend still writes each step's keys and values into vLLM's paged cac
 when the QEvict connector is active and this step's metadata is bound, each request's new tokens also go into
 its QEvict cache, and its attention output is the engine's: the prompt attended in full and scored over its
 last queries, then decode steps over [low-bit windows | sinks | full windows | recent], routed every Ω tokens
-per layer. Without the connector (or in vLLM's warm-up runs) it is the stock backend, unchanged.
+per layer. A request whose budget holds every token has no QEvict cache and gets the stock kernel's output.
+Without the connector (or in vLLM's warm-up runs) it is the stock backend, unchanged.
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ class QEvictCPUAttentionImpl(CPUAttentionBackendImpl):
         index = extract_layer_index(layer.layer_name)
         starts = attn_metadata.query_start_loc.tolist()
         first_blocks = attn_metadata.block_table[:, 0].tolist()
+        rows = [(starts[row], starts[row + 1], registry.find(first_blocks[row]).cache)
+                for row in range(len(starts) - 1) if starts[row] < starts[row + 1]]
+        if any(cache is None for *_, cache in rows):
+            # A request vLLM serves alone (its budget holds every token) reads its own blocks: the stock kernel
+            # over the batch, whose rows of QEvict's requests are overwritten below.
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
         d = self.head_size
-        for row in range(len(starts) - 1):
-            begin, end = starts[row], starts[row + 1]
-            if begin == end:
+        for begin, end, cache in rows:
+            if cache is None:
                 continue
-            running = registry.find(first_blocks[row])
             # vLLM: [tokens, heads, D] -> the engine's (B=1, heads, tokens, D)
             q = query[begin:end].view(end - begin, -1, d).transpose(0, 1).unsqueeze(0)
             k = key[begin:end].view(end - begin, -1, d).transpose(0, 1).unsqueeze(0)
             v = value[begin:end].view(end - begin, -1, d).transpose(0, 1).unsqueeze(0)
-            cache = running.cache
             keys, values = cache.update(k, v, index)
             out = cache.layers[index].attend(registry.view.attention[index], q, keys, values, self.scale, 0.0)
             output[begin:end].view(end - begin, -1, d).copy_(out[0])  # (1, tokens, heads, D) -> [tokens, heads, D]

@@ -58,9 +58,11 @@ def main() -> None:
 
         ids = [internal(o.request_id) for o in outs]
         by_id = {r.req_id: r for r in running}
-        result["tiers"] = [tiers(by_id[i].cache) for i in ids]
-        result["moves"] = [by_id[i].cache.summary() for i in ids]
+        caches = [by_id[i].cache for i in ids]  # None: vLLM served it alone (its budget holds every token)
+        result["tiers"] = [tiers(c) if c is not None else None for c in caches]
+        result["moves"] = [c.summary() if c is not None else None for c in caches]
         result["blocks_freed"] = [report["blocks_freed"].get(i, 0) for i in ids]
+        result["blocks_kept"] = [report["blocks_kept"].get(i) for i in ids]
         result["bytes"] = [report["requests"][i]["total_bytes"] for i in ids]
     result["preempted"] = PREEMPTED[0]
     print("RESULT " + json.dumps(result))
