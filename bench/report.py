@@ -9,7 +9,8 @@ beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minu
 KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length; ``drift`` /
 ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method or for A and
 B; ``vllm_needle`` / ``vllm_serve`` / ``vllm_served``: the vLLM plugin's rows; ``resources``: the fused kernels'
-registers, spills and shared memory (bench/kernel_resources.py). ``tests/test_bench_docs.py`` fails when the
+registers, spills and shared memory (bench/kernel_resources.py); ``kvpress``: the baselines beside kvpress's
+presses (bench/kvpress_check.py). ``tests/test_bench_docs.py`` fails when the
 committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
 together)."""
 
@@ -102,6 +103,10 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         from .kernel_resources import table as resources_table
 
         return resources_table(read_jsonl(sorted(f for p in paths for f in p.glob("*.jsonl"))))
+    if kind == "kvpress":
+        from .kvpress_check import table as kvpress_table
+
+        return kvpress_table(read_jsonl(sorted(f for p in paths for f in p.glob("kvpress.jsonl"))))
     if kind == "claims":
         from .claims import table as claims_table
 
@@ -111,7 +116,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, resources, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, "
+                     "choice, claims, resources, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, "
                      "vllm_served, drift, drift=A,B")
 
 

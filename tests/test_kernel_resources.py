@@ -19,7 +19,7 @@ SHARED_LIMIT = 100 * 1024
 def usage(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("resources")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--out", str(out)], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "bench.kernels", "resources", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (out / "sm90.jsonl").read_text().splitlines()]
