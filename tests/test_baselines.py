@@ -5,6 +5,7 @@ import torch
 
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.baselines.policies.base import ScoreInputs
+from qevict_core.baselines.policies.criticalkv import CriticalKV
 from qevict_core.baselines.policies.defensivekv import DefensiveKV
 from qevict_core.registry import METHODS
 from tests.conftest import KV, random_prompt, tiny_model
@@ -102,10 +103,28 @@ def test_snapkv_scores_match_eager_reimplementation():
         model.set_attn_implementation("qevict")
     for (scores, candidates), probs in zip(recorded["scores"], eager):  # probs (1, Hq, T, T)
         window = probs[0, :, -32:, :candidates].sum(dim=1)  # (Hq, P): last 32 queries over the prefix
-        pooled = torch.nn.functional.avg_pool1d(window[:, None], 5, stride=1, padding=2,
-                                                count_include_pad=False)[:, 0]
+        pooled = torch.nn.functional.avg_pool1d(window[:, None], 5, stride=1, padding=2)[:, 0]  # as SnapKV's code
         expected = pooled.reshape(2, 2, candidates).mean(dim=1)  # mean over each KV head's 2 query heads
         torch.testing.assert_close(scores[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_criticalkv_first_stage_is_half_of_everything_kept_window_included():
+    """keep = 10 candidates + a window of 4: the first stage is int(14 / 2) = 7 tokens, the 4 of the window and
+    the 3 best-scored candidates (kvpress's CriticalKVPress); the value-weighted stage ranks the rest."""
+    n, window, d = 24, 4, 4
+    base = torch.linspace(1.0, 0.1, n - window)  # candidate 0 scores highest
+    probs = torch.zeros(1, 1, 1, window, n)
+    probs[..., 0, :n - window] = base  # one window row carries the scores; the window's own columns stay 0
+    values = torch.zeros(1, 1, n, d)
+    values[0, 0, :, 0] = torch.arange(1, n + 1, dtype=torch.float32) ** 3  # later tokens weigh more
+    module = torch.nn.Module()
+    module.o_proj, module.num_key_value_groups = torch.nn.Linear(d, d, bias=False), 1
+    torch.nn.init.eye_(module.o_proj.weight)
+    inputs = ScoreInputs(torch.zeros(1, 1, n, d), values, module, keep=10, candidates=n - window, probs=probs)
+    ranked = CriticalKV(kernel=1).score(inputs)[0, 0].argsort(descending=True).tolist()
+    assert sorted(ranked[:3]) == [0, 1, 2]  # the first stage, by attention score
+    weighted = (base + 1e-4) * values[0, 0, :n - window, 0]  # (score + ε) · ||W_o v||_1, W_o = I
+    assert ranked[3] == 3 + int(weighted[3:].argmax())  # then the value-weighted order
 
 
 def test_h2o_keeps_recent_plus_heavy_hitters_of_eager_attention():

@@ -91,7 +91,8 @@ def pool_keys(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
     if mode == "max":
         pooled = F.max_pool1d(flat, kernel, stride=1, padding=pad)
     else:
-        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=False)
+        # the padding counts in the mean, as F.avg_pool1d's default in SnapKV's code and kvpress
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=pad)
     return pooled[..., :shape[-1]].reshape(shape)
 
 

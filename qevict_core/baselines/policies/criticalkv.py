@@ -20,7 +20,10 @@ class CriticalKV(SnapKV):
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         base = self.window_scores(inputs)[:, :, :inputs.candidates]
-        stage1 = max(0, min(inputs.candidates, int(inputs.keep * self.first_stage)))
+        # The first stage is a share of everything kept, observation window included (it outranks every candidate
+        # there), as kvpress's CriticalKVPress counts it: its candidates are that share less the window.
+        window = inputs.keys.shape[2] - inputs.candidates
+        stage1 = max(0, min(inputs.candidates, int((inputs.keep + window) * self.first_stage) - window))
         weighted = (base + self.epsilon) * value_norms(inputs.values[:, :, :inputs.candidates], inputs.module)
         first = torch.zeros_like(base, dtype=torch.bool)
         if stage1:
