@@ -123,7 +123,7 @@ def test_criticalkv_first_stage_is_half_of_everything_kept_window_included():
     inputs = ScoreInputs(torch.zeros(1, 1, n, d), values, module, keep=10, candidates=n - window, probs=probs)
     ranked = CriticalKV(kernel=1).score(inputs)[0, 0].argsort(descending=True).tolist()
     assert sorted(ranked[:3]) == [0, 1, 2]  # the first stage, by attention score
-    weighted = (base + 1e-4) * values[0, 0, :n - window, 0]  # (score + ε) · ||W_o v||_1, W_o = I
+    weighted = (base / window + 1e-4) * values[0, 0, :n - window, 0]  # (mean score + ε) · ||W_o v||_1, W_o = I
     assert ranked[3] == 3 + int(weighted[3:].argmax())  # then the value-weighted order
 
 

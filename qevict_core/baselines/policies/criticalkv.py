@@ -19,7 +19,8 @@ class CriticalKV(SnapKV):
     epsilon: float = 1e-4
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        base = self.window_scores(inputs)[:, :, :inputs.candidates]
+        # The mean over the window's queries, as kvpress's SnapKV scores are, so that ε weighs what it weighs there
+        base = self.window_scores(inputs)[:, :, :inputs.candidates] / inputs.probs.shape[3]
         # The first stage is a share of everything kept, observation window included (it outranks every candidate
         # there), as kvpress's CriticalKVPress counts it: its candidates are that share less the window.
         window = inputs.keys.shape[2] - inputs.candidates
