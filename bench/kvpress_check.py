@@ -146,7 +146,8 @@ def agreement(ours: list, theirs: list) -> dict:
             count_a.append(len(a))
             count_b.append(len(b))
     return {"jaccard": sum(jaccard) / len(jaccard), "jaccard_min": min(jaccard), "heads_same": same,
-            "heads": len(jaccard), "kept_ours": sum(count_a) / len(count_a), "kept_kvpress": sum(count_b) / len(count_b)}
+            "heads": len(jaccard), "kept_ours": sum(count_a) / len(count_a),
+            "kept_kvpress": sum(count_b) / len(count_b)}
 
 
 def run(args) -> None:

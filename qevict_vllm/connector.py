@@ -5,10 +5,10 @@ vLLM builds this connector twice. On the scheduler side, ``build_connector_meta`
 ``max_tokens``; which forwards are prompt chunks; which requests end), and hands back to vLLM's pool the blocks of a
 running request that its QEvict cache has already read (``FREED`` counts them), but for its budget's worth: the
 first blocks, as many as its QEvict cache may hold bytes (plans.py; the first is also the request's identity in
-the block table), stay allocated, so vLLM's admission and KV-usage metrics count QEvict's store
-(``KEPT``). A request whose budget holds every token keeps all its blocks and gets no QEvict cache. On the worker side ``bind_connector_metadata`` hands the step to the request registry
-(requests.py) before the forward, where attention (backend.py) finds it. QEvict loads and saves nothing, so the
-transfer hooks do nothing.
+the block table), stay allocated, so vLLM's admission and KV-usage metrics count QEvict's store (``KEPT``). A
+request whose budget holds every token keeps all its blocks and gets no QEvict cache. On the worker side
+``bind_connector_metadata`` hands the step to the request registry (requests.py) before the forward, where
+attention (backend.py) finds it. QEvict loads and saves nothing, so the transfer hooks do nothing.
 """
 
 from __future__ import annotations
