@@ -273,7 +273,7 @@ def serve_table(rows: list[dict]) -> str:
     return (f"{first['requests']} RULER-style prompts of {first['length']:,} tokens (seed {first['seed']}) served "
             f"together, {len(alone)} rounds per setting, vLLM {first['vllm']}, commit "
             f"{', '.join(sorted({r['commit'] for r in rows}))}, "
-            f"{first['cores']} cores shared with other benchmarks.\n\n" + "\n".join(lines) + "\n")
+            f"{first['cores']} cores.\n\n" + "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> None:
