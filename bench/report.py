@@ -116,8 +116,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, resources, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, vllm_serve, "
-                     "vllm_served, drift, drift=A,B")
+                     "choice, claims, resources, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, "
+                     "vllm_serve, vllm_served, drift, drift=A,B")
 
 
 def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:
