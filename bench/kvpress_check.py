@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -124,6 +123,8 @@ def project_side(model, method: str, budget: float, ids: torch.Tensor, new_token
                  full: list[torch.Tensor]) -> dict:
     from qevict_core import QEvictConfig, make_cache
 
+    from .common import kv_dtype
+
     cache = make_cache(method, model, QEvictConfig(budget=budget, kv_dtype="model"),
                        max_length=ids.shape[1] + new_tokens)
     positions = []
@@ -132,7 +133,8 @@ def project_side(model, method: str, budget: float, ids: torch.Tensor, new_token
         positions.extend([kept_positions(layer.keys[h][0], full[i][h]) for h in range(len(layer.keys))]
                          for i, layer in enumerate(cache.layers))
 
-    return {"tokens": greedy(model, ids, cache, new_tokens, eos, read_kept), "positions": positions}
+    return {"tokens": greedy(model, ids, cache, new_tokens, eos, read_kept), "positions": positions,
+            "kv_dtype": kv_dtype(cache)}
 
 
 def agreement(ours: list, theirs: list) -> dict:
@@ -155,7 +157,7 @@ def run(args) -> None:
     from qevict_core.models import converted_dir
 
     from .common import append_jsonl, run_metadata
-    from .ruler_tasks import DEFAULT_TASKS, TASKS, sample_seed, sized_sample, string_match_all
+    from .ruler_tasks import DEFAULT_TASKS, TASKS, haystack_source, sample_seed, sized_sample, string_match_all
 
     if not (VENV / "bin" / "python").exists():
         raise SystemExit(f"kvpress's environment is missing: run `make setup-kvpress` (it builds {VENV})")
@@ -196,7 +198,7 @@ def run(args) -> None:
                "tokens": max(len(side["tokens"]), len(theirs["tokens"])),
                "score_ours": string_match_all(tok.decode(side["tokens"], skip_special_tokens=True), answers),
                "score_kvpress": string_match_all(tok.decode(theirs["tokens"], skip_special_tokens=True), answers),
-               "kv_dtype": "float32", **versions, **run_metadata("SmolLM2-135M-Instruct", "cpu")}
+               "haystack": haystack_source("auto"), "kv_dtype": side["kv_dtype"], **versions, **run_metadata("SmolLM2-135M-Instruct", "cpu")}
         print(f"{row['method']:>12} {row['task']}/{row['sample']}: Jaccard {row['jaccard']:.3f}, heads same "
               f"{row['heads_same']}/{row['heads']}, tokens alike {same}/{row['tokens']}, scores "
               f"{row['score_ours']:.2f} / {row['score_kvpress']:.2f}")
