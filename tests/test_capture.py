@@ -2,8 +2,9 @@
 TRITON_INTERPRET=1, and the PyTorch path that ``kernels="auto"`` takes on CUDA) asks the host nothing. Under a
 dispatch mode that refuses the operators that wait for the device (``nonzero``, ``.item()``/``int()``,
 ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
-runs, and two plain steps at different fill levels launch the same sequence of operators. (Routing steps still
-decide on the host; their buffers, and so a captured graph's addresses, change at each event.)"""
+runs, and two plain steps at different fill levels launch the same sequence of operators. The full-precision tiers
+keep one buffer across steps and routing events. (Routing steps still decide on the host, and the low-bit ledgers are
+still replaced at each event, so a captured graph's addresses of them change there.)"""
 
 from __future__ import annotations
 
@@ -92,3 +93,48 @@ def test_a_routing_step_reads_back_at_most_three_values_per_layer():
             if cache.routed():
                 routed.append(mode.syncs)
     assert routed and all("aten.nonzero" not in syncs and len(syncs) <= 3 * len(cache.layers) for syncs in routed)
+
+
+def _tier_storage(cache) -> list[tuple]:
+    """Per layer: the sizes of its tiers and the addresses of every tensor they keep."""
+    out = []
+    for layer in cache.layers:
+        ledgers = [layer.quant] + ([layer.dormant] if layer.dormant is not None else [])
+        tensors = [layer.fp.keys, layer.fp.values, layer.full_ids, layer.dormant_valid, layer.scores]
+        tensors += [getattr(ledger, name) for ledger in ledgers for name in ("ids", *_LEDGER_FIELDS)]
+        out.append((tuple(t.shape for t in tensors), tuple(t.data_ptr() for t in tensors)))
+    return out
+
+
+_LEDGER_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_the_tiers_keep_their_storage_across_steps_and_routing_events(kernels):
+    """From the prompt's routing event on, each layer's [sinks | full | recent] lives in one buffer of the plan's
+    size: decode steps write into it and routing events rewrite it in place, so its address never changes (what a
+    captured graph needs), and what it holds is what the plan charges (measured bytes within the budget). The
+    low-bit tier, the dormant ledger and the ids are rewritten in place by every event that keeps their sizes."""
+    model, omega = tiny_model("llama", 2), 8
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.3, kernels=kernels, omega=omega, coverage=None),
+                       max_length=400)  # Eq. 3's split: a full tier to rewrite
+    with torch.inference_mode():
+        token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        fp_storage = [(layer.fp.keys.data_ptr(), layer.fp.values.data_ptr()) for layer in cache.layers]
+        assert all(layer.fp.capacity == layer.fp_reserve() < 300 for layer in cache.layers)
+        kept_in_place, before = 0, _tier_storage(cache)
+        for _ in range(4 * omega):
+            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            assert [(layer.fp.keys.data_ptr(), layer.fp.values.data_ptr()) for layer in cache.layers] == fp_storage
+            after = _tier_storage(cache)
+            if cache.routed():
+                same_sizes = [b[0] == a[0] for b, a in zip(before, after)]
+                assert all(b[1] == a[1] for b, a, same in zip(before, after, same_sizes) if same)
+                kept_in_place += sum(same_sizes)
+            else:
+                assert after == before
+            before = after
+    assert kept_in_place >= 2 * len(cache.layers) and cache.layers[0].full_ids.shape[1] > 0
+    assert cache.layers[0].dormant is not None and cache.layers[0].quant.num_windows > 0
+    report = cache.memory_report()
+    assert 0 < report["components"]["reserved"] and report["total_bytes"] <= cache.budget_bytes

@@ -17,7 +17,7 @@ TIER_CODES = {None: 0, "recent": 1, "full": 2, "quantized": 3, "evicted": 4}
 TIER_NAMES = ["not yet", "recent", "full precision", "low-bit", "evicted"]
 # Memory components grouped for the stacked bytes plot: what a reader can tell apart.
 BYTE_GROUPS = {
-    "full precision": ("sink", "recent", "full", "outliers"),
+    "full precision": ("sink", "recent", "full", "reserved", "outliers"),
     "low-bit codes": ("quantized", "staged"),
     "low-bit scales": ("quant_meta",),
     "bookkeeping": ("index", "ledger", "scores"),

@@ -49,6 +49,8 @@ from .ledger import WindowLedger
 class HeadLayer(QEvictLayer):
     """One KV head of one layer, routed on its own; ``allotted`` is its (K_f, K_q) for the next routing event."""
 
+    rewrites_in_place = False  # its low-bit tier, dormant ledger and ids are views of its layer's (head_move.py)
+
     def __init__(self, layer_idx: int, owner: QEvictCache, head: int):
         super().__init__(layer_idx, owner)
         self.head = head
@@ -57,6 +59,11 @@ class HeadLayer(QEvictLayer):
 
     def capacities(self) -> tuple[int, int]:
         return self.allotted
+
+    def fp_reserve(self) -> int:
+        """Exactly what is live: a head's K_f changes at every event (its share of the layer's), and the layer's
+        bytes are the sum of its heads' tiers."""
+        return 0
 
     def push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A decode step's token, stored without building this head's attended keys (step_heads lays out every
@@ -110,12 +117,10 @@ class HeadwiseLayer(ReportingLayer):
 
     def _stack_tables(self) -> None:
         self.scores = torch.cat([head.scores for head in self.heads])
-        for h, head in enumerate(self.heads):
-            head.scores = self.scores[h:h + 1]
         if self.heads[0].interval is not None:
             self.interval = torch.cat([head.interval for head in self.heads])
-            for h, head in enumerate(self.heads):
-                head.interval = self.interval[h:h + 1]
+        for h, head in enumerate(self.heads):
+            head.keep_tables(self.scores[h:h + 1], self.interval[h:h + 1] if self.interval is not None else None)
 
     def packed_quant(self) -> WindowLedger:
         """Every head's quantized tier in one ledger, head after head (the varlen kernel checks one tensor per
@@ -133,7 +138,7 @@ class HeadwiseLayer(ReportingLayer):
         """Make ``packed`` (``counts[h]`` windows of head h, head after head) every head's quantized tier."""
         self._views = tuple(packed.split(counts))
         for head, view in zip(self.heads, self._views):
-            head.quant = view
+            head.keep_records(view, head.dormant, head.dormant_valid)
         self._packed = packed
 
     def attend(self, module, query, key, value, scaling, dropout, output=True):

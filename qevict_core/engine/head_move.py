@@ -106,20 +106,17 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
                                     keys.device, 1)
     quant_ledger = joined.select(q_rec.unsqueeze(0))
 
-    old = [(head.full_ids, head.quant.ids) for head in heads] if owner.config.record_events else None
+    record = owner.config.record_events  # copies of the old ids: a move rewrites them in place
+    old = [(head.full_ids.clone(), head.quant.ids.clone()) for head in heads] if record else None
     tokens_f = [k * omega for k in kf]
     layer.set_packed(quant_ledger, kq)
     for head, fk, fv, fi in zip(heads, full_k.split(tokens_f, dim=2), full_v.split(tokens_f, dim=2),
                                 f_ids.to(torch.int32).unsqueeze(0).split(kf, dim=1)):
-        head.full_k, head.full_v, head.full_ids = fk, fv, fi
-        # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
-        head.recent_k = head.recent_k[:, :, num_aged * omega:].clone()
-        head.recent_v = head.recent_v[:, :, num_aged * omega:].clone()
-        head.recent_start += num_aged * omega
+        head.keep_moved(fk, fv, fi, num_aged)
     if heads[0].dormant is not None:  # a promoted window's record stays as its dormant copy
         dormant = joined.select(f_rec.clamp(min=0).unsqueeze(0))
         for head, ledger, flags in zip(heads, dormant.split(kf), (f_rec >= 0).unsqueeze(0).split(kf, dim=1)):
-            head.dormant, head.dormant_valid = ledger, flags
+            head.keep_records(head.quant, ledger, flags)
     owner.add_moves(promoted.sum(), (q_tier == 1).sum(), sum(sizes) - f_rec.numel() - q_rec.numel())
     if old is not None:
         aged = cands[0][len(cands[0]) - num_aged:].tolist()

@@ -115,6 +115,19 @@ class WindowLedger:
             picked[name] = rows.reshape(*rows.shape[:2], -1, getattr(self, name).shape[3])
         return WindowLedger(**picked, omega=self.omega, bits=self.bits)
 
+    def overwrite(self, other: WindowLedger) -> WindowLedger:
+        """``other``'s windows in this ledger's storage when it holds as many (and owns its storage), else ``other``
+        itself: a routing event that keeps the tier's size rewrites it in place, so its tensors keep their
+        addresses."""
+        fields = ("ids",) + _SEQ_FIELDS
+        same = all(getattr(self, f).shape == getattr(other, f).shape and getattr(self, f).dtype == getattr(other, f).dtype
+                   and getattr(self, f)._base is None for f in fields)
+        if not same or other.omega != self.omega or other.bits != self.bits:
+            return other
+        for name in fields:
+            getattr(self, name).copy_(getattr(other, name))
+        return self
+
     def cat(self, *others: WindowLedger) -> WindowLedger:
         """Windows of ``self`` then of each of ``others``, in one copy."""
         parts = (self, *others)

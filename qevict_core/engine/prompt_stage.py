@@ -78,9 +78,7 @@ class PromptStage:
         for name in ("k_codes", "v_codes", "v_scale", "v_zero"):
             getattr(store, name)[:, :, first:last] = getattr(fresh, name)
         self.count += n
-        layer.recent_k = layer.recent_k[:, :, tokens:].clone()  # a slice would pin the chunk's storage
-        layer.recent_v = layer.recent_v[:, :, tokens:].clone()
-        layer.recent_start += tokens
+        layer.drop_recent(tokens)
 
     def keys_values(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """[stage | sinks | recent], full precision: a transient copy of the prompt so far (attention is order-free
@@ -113,9 +111,8 @@ class PromptStage:
         """The last chunk: the stage back into the front of the recent region, which then holds the whole prompt
         after the sinks, as when the prompt is read whole."""
         if self.count:
-            layer.recent_k, layer.recent_v = self._restore(layer, [layer.recent_k], [layer.recent_v],
-                                                           layer.owner.shape.dtype)
-            layer.recent_start -= self.num_tokens
+            keys, values = self._restore(layer, [layer.recent_k], [layer.recent_v], layer.owner.shape.dtype)
+            layer.restore_recent(keys, values, self.num_tokens)
 
     def _restore(self, layer, keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype):
         """[dequantized, re-rotated stage | *keys] in ``dtype`` (attention's, or the cache's when it is kept):

@@ -6,8 +6,9 @@ region stay in full precision; windows leaving the recent region become candidat
 windows - are ranked by score: the top K_f are kept in full precision, the next K_q in the low-bit tier and the
 rest evicted. Quantized windows take part in attention, so they keep accumulating score and can be promoted.
 
-State of one layer, all in the (B, H, T, D) layout, sized to what is live (only the stage is preallocated):
-  sink_k/v (B,H,s,D) | full_k/v (B,H,nF*Ω,D) + full_ids (B,nF) | recent_k/v (B,H,nR,D) from ``recent_start``
+State of one layer, all in the (B, H, T, D) layout; only the layer's own methods replace or rewrite it:
+  fp: [sinks (s) | full (nF*Ω) | recent (nR, from ``recent_start``)] in one buffer of the plan's size from the first
+  routing event on (fp_region.py; ``sink_k``, ``full_k``, ``recent_k``... are views of it) + full_ids (B,nF)
   quant: WindowLedger of nQ windows; dormant: WindowLedger aligned with full_ids + dormant_valid (B,nF)
   scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
   queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
@@ -24,6 +25,7 @@ from .assemble import assemble
 from .cache_base import ReportingLayer
 from ..events import RoutingEvent
 from .layout import WindowGrid, gather_seq
+from .fp_region import FullPrecision
 from .ledger import WindowLedger
 from .rope import unrotate
 from .routing import route_windows
@@ -34,19 +36,22 @@ from .attention import sdpa_with_positions
 
 class QEvictLayer(ReportingLayer):
     head: int | None = None  # the KV head this layer holds alone (head_cache.py); None: every head of the layer
+    # A move writes the new low-bit tier, dormant ledger and ids into the old ones' storage when their sizes hold
+    # (False where they are views of storage shared with other heads, head_move.py).
+    rewrites_in_place = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
         b, h, _, d = key_states.shape
         if b != owner.shape.batch:
             raise ValueError(f"cache was made for batch size {owner.shape.batch}, got {b}")
-        empty = key_states.new_zeros(b, h, 0, d)
-        self.sink_k = self.sink_v = self.full_k = self.full_v = self.recent_k = self.recent_v = empty
+        self.fp = FullPrecision(key_states, self.fp_reserve())
         self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
-        ledger = WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
-                                    owner.config.param_dtype(owner.shape.dtype), key_states.device)
-        self.quant = ledger
-        self.dormant = ledger if owner.plan.keeps_dormant else None
+        def ledger() -> WindowLedger:
+            return WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
+                                      owner.config.param_dtype(owner.shape.dtype), key_states.device)
+        self.quant = ledger()
+        self.dormant = ledger() if owner.plan.keeps_dormant else None
         self.dormant_valid = torch.zeros(b, 0, dtype=torch.bool, device=key_states.device)
         self.recent_start = owner.config.sinks
         self.stage: PromptStage | None = None  # the prompt so far, while it is read in chunks (prompt_stage.py)
@@ -66,22 +71,65 @@ class QEvictLayer(ReportingLayer):
         if self.stage is not None:  # the prompt's last chunk: routed as if the prompt were read whole
             self.stage.release(self)
             self.stage = None
-        keys = [self.sink_k, self.full_k, self.recent_k]
-        values = [self.sink_v, self.full_v, self.recent_v]
+        keys, values = self.fp.live()  # [sinks | full | recent]: views, no copy
         if self.quant.num_windows and not self.owner.backend.reads_tier_in_place:
-            return self._with_quantized(keys, values)
-        keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        self.owner.note_workspace(keys.nbytes + values.nbytes)
+            return self._with_quantized([keys], [values])
         return keys, values
+
+    def fp_reserve(self) -> int:
+        """Tokens the full-precision buffer keeps room for from a routing event on: what the plan charges (sinks,
+        K_f windows, the recent region and the Ω tokens arriving before the next event); 0 when nothing is routed."""
+        plan, cfg = self.owner.plan, self.owner.config
+        if plan.uncompressed:
+            return 0
+        return min(cfg.sinks + plan.k_full * cfg.omega + cfg.recent + 2 * cfg.omega - 1, self.owner.max_length)
 
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New tokens into the sinks, then the recent region (``seen`` is the caller's to advance)."""
         to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
-        if to_sinks:
-            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sinks]], dim=2)
-            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sinks]], dim=2)
-        self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sinks:]], dim=2)
-        self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sinks:]], dim=2)
+        self.fp.append(key_states, value_states, to_sinks)
+
+    def part(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values of the full-precision part ``name`` (sink, full, recent), as views of the layer's buffer."""
+        return self.fp.part(name)
+
+    sink_k = property(lambda self: self.fp.part("sink")[0])
+    sink_v = property(lambda self: self.fp.part("sink")[1])
+    full_k = property(lambda self: self.fp.part("full")[0])
+    full_v = property(lambda self: self.fp.part("full")[1])
+    recent_k = property(lambda self: self.fp.part("recent")[0])
+    recent_v = property(lambda self: self.fp.part("recent")[1])
+
+    def keep_moved(self, full_k: torch.Tensor, full_v: torch.Tensor, full_ids: torch.Tensor, num_aged: int) -> None:
+        """A move's full tier (copies, (B, H, F, D) and its ids (B, F/Ω)) and ``num_aged`` windows out of the
+        recent region; the tiers' storage stays the layer's."""
+        self.fp.rebuild(full_k, full_v, num_aged * self.grid.omega)
+        self.full_ids = _overwrite(self.full_ids, full_ids) if self.rewrites_in_place else full_ids
+        self.recent_start += num_aged * self.grid.omega
+
+    def keep_records(self, quant: WindowLedger, dormant: WindowLedger | None, dormant_valid: torch.Tensor) -> None:
+        """The low-bit tier and the dormant ledger after a move: written into the storage they had when they keep
+        their sizes (every event once the tiers are full), so their addresses hold too; replaced otherwise."""
+        if not self.rewrites_in_place:
+            self.quant, self.dormant, self.dormant_valid = quant, dormant, dormant_valid
+            return
+        self.quant = self.quant.overwrite(quant)
+        self.dormant = dormant if self.dormant is None or dormant is None else self.dormant.overwrite(dormant)
+        self.dormant_valid = _overwrite(self.dormant_valid, dormant_valid)
+
+    def keep_tables(self, scores: torch.Tensor, interval: torch.Tensor | None) -> None:
+        """Score tables that are rows of a table shared with other heads (head_cache.py)."""
+        self.scores, self.interval = scores, interval
+
+    def drop_recent(self, tokens: int) -> None:
+        """The recent region's first ``tokens`` leave it (a prompt stage took them)."""
+        self.fp.drop_recent(tokens)
+        self.recent_start += tokens
+
+    def restore_recent(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+        """The recent region becomes ``keys/values``: ``tokens`` restored in front of what it held."""
+        self.fp.set_recent(keys, values)
+        self.recent_start -= tokens
 
     def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):
@@ -221,7 +269,8 @@ class QEvictLayer(ReportingLayer):
         k_full, k_quant = self.capacities()
         decision = route_windows(self.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
                                  owner.config.promotion)
-        old = (self.full_ids, self.quant.ids) if owner.config.record_events else None
+        # copies: a move rewrites the tiers in place
+        old = (self.full_ids.clone(), self.quant.ids.clone()) if owner.config.record_events else None
         quant_starts = torch.arange(n_quant, device=keys.device) * omega
         if not tier_in_keys and n_quant:
             promoted = decision.full[decision.full < n_quant].unique()  # slots that some row promotes
@@ -237,8 +286,7 @@ class QEvictLayer(ReportingLayer):
 
         full_tok = _token_index(starts, decision.full, omega)
         stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
-        self.full_k, self.full_v = gather_seq(keys, full_tok).to(stored), gather_seq(values, full_tok).to(stored)
-        self.full_ids = cand_ids.gather(1, decision.full)
+        full_k, full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
 
         # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
         # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
@@ -259,14 +307,10 @@ class QEvictLayer(ReportingLayer):
             fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
             quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
         joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
-        if self.dormant is not None:
-            self.dormant = _select_records(joined, decision.full, self.full_k)
-            self.dormant_valid = has_record.gather(1, decision.full)
-        self.quant = _select_records(joined, quant_idx, keys)
-        # A slice would pin the whole prompt's storage (and hide it from the byte count): copy what stays.
-        self.recent_k = self.recent_k[:, :, num_aged * omega:].clone()
-        self.recent_v = self.recent_v[:, :, num_aged * omega:].clone()
-        self.recent_start += num_aged * omega
+        dormant = _select_records(joined, decision.full, full_k) if self.dormant is not None else None
+        self.keep_records(_select_records(joined, quant_idx, keys), dormant, has_record.gather(1, decision.full)
+                          if dormant is not None else self.dormant_valid)
+        self.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
         owner.count_moves(decision, n_quant, n_full)
         if old is not None:
             owner.events.append(self._event(old, aged_ids[0].tolist()))
@@ -310,9 +354,7 @@ class QEvictLayer(ReportingLayer):
         quant = self.quant.nbytes_by_component()
         dormant = sum(self.dormant.nbytes_by_component().values()) if self.dormant is not None else 0
         return {
-            "sink": self.sink_k.nbytes + self.sink_v.nbytes,
-            "recent": self.recent_k.nbytes + self.recent_v.nbytes,
-            "full": self.full_k.nbytes + self.full_v.nbytes,
+            **self.fp.nbytes_by_part(),
             "quantized": quant["quantized"],
             "quant_meta": quant["quant_meta"],
             "index": quant["index"] + self.full_ids.nbytes,
@@ -343,3 +385,10 @@ def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.T
         return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
                                   num_windows=cand_idx.shape[1])
     return records.select(cand_idx.clamp(max=records.num_windows - 1))
+
+
+def _overwrite(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``'s values in ``old``'s storage when the shapes agree (and ``old`` is not a view another tensor owns)."""
+    if old.shape == new.shape and old.dtype == new.dtype and old._base is None:
+        return old.copy_(new)
+    return new
