@@ -231,8 +231,11 @@ def test_varlen_refuses_a_tier_that_does_not_fit():
         cpu_decode.quant_values_varlen(torch.rand(2, 3, 40), **{**values, "v_scale": values["v_scale"][..., :47, :]})
 
 
-def test_threads_split_heads_without_changing_results():
-    args, _ = ledger_inputs(2, 3, 3, 64, 40, 8, 2)
+def test_threads_split_heads_without_changing_results(monkeypatch):
+    args, _ = ledger_inputs(4, 6, 3, 64, 120, 8, 2)  # 24 heads of 960 keys: enough work to split
+    pools = []
+    monkeypatch.setattr(cpu_decode, "_pool", lambda workers, _pool=cpu_decode._pool: pools.append(workers) or
+                        _pool(workers))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -241,7 +244,19 @@ def test_threads_split_heads_without_changing_results():
         many = cpu_decode.quant_logits(**args)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, many)
+    assert pools == [2] and torch.equal(one, many)
+
+
+def test_a_small_step_runs_on_the_calling_thread(monkeypatch):
+    """Three heads of 1,440 keys (SmolLM2 at 2K, one row): a thread hand-off costs more than it saves."""
+    args, _ = ledger_inputs(1, 3, 3, 64, 45, 32, 4)
+    monkeypatch.setattr(cpu_decode, "_pool", lambda workers: pytest.fail("a small call went to the thread pool"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_decode.quant_logits(**args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_inputs_say_what_is_allowed():
