@@ -1,12 +1,13 @@
 """Decode attention over the packed low-bit tier on the CPU, in C, with the codes read in place.
 
 The PyTorch path rebuilds the whole quantized tier in full precision before every decode step (unpack, rescale,
-re-rotate: most of a long-context step, by profile). ``quant_decode.c`` does the
-same arithmetic one key at a time inside the dot products, so the tier is read once and nothing is materialised.
+re-rotate: most of a long-context step, by profile). ``quant_decode.c`` does the same arithmetic one key at a time
+inside the dot products, so the tier is read once and nothing is materialised.
 It is compiled on first use (about a second) with the system C compiler (``$CC``, else ``cc``) into a cache keyed by
 the source, the flags and the CPU's features (``$QEVICT_CACHE_DIR/kernels``, else ``~/.cache/qevict/kernels``);
 :func:`available` says whether that worked and, if not, why.
-Work is split over KV heads across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+Work is split over KV heads across ``torch.get_num_threads()`` threads (ctypes releases the GIL) when it is large
+enough to pay for the hand-off (``PARALLEL_WORK``).
 
 The ``*_varlen`` entries take the heads of one layer whose tiers differ in length, packed head after head in one
 tensor per field with each head's length (``qevict_head``): one call per layer, padded columns at -inf.
@@ -51,11 +52,10 @@ def _cache_dir() -> Path:
 def _machine_key() -> str:
     """-march=native code only runs where it was built: key the library by the CPU's feature flags."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                     "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        lines = []
+    return platform.machine() + next((line for line in lines if line.startswith("flags")), "")
 
 
 @lru_cache(maxsize=1)
@@ -114,16 +114,15 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qevict-cpu")
 
 
-# Multiply-adds a worker thread must get for the hand-off to pay: measured on 2 cores (quant_logits, head_dim 64,
-# 3 query rows per KV head), a decode step of 3 heads x 1,440 keys took 80 us on the calling thread and 139 us
-# split over 2; 24 heads x 1,440 keys 527 us against 366 us.
+# Multiply-adds a worker must get for a thread's hand-off to pay (2 cores, quant_logits, d 64, 3 rows per head):
+# 3 heads x 1,440 keys took 80 us on the calling thread, 139 us over 2; 24 heads x 1,440 keys 527 against 366 us.
 PARALLEL_WORK = 2_000_000
 
 
 def _over_heads(call, heads: int, work: int, refused: str | None = None) -> None:
-    """call(h0, h1) over [0, heads), split across torch's thread count where the ``work`` (multiply-adds, about)
-    is large enough and the heads split evenly enough (at least two per worker); a nonzero return is a bad shape,
-    or (where ``refused`` says what) bad input that only the C side checks."""
+    """call(h0, h1) over [0, heads), split across torch's threads when the ``work`` (multiply-adds) pays for it and
+    every worker gets two heads; a nonzero return is a bad shape, or (``refused`` says what) bad input that only
+    the C side checks."""
     workers = min(torch.get_num_threads(), heads // 2, work // PARALLEL_WORK)
     if workers <= 1:
         codes = [call(0, heads)]
@@ -366,13 +365,10 @@ def quant_logits_varlen_reference(rows, k_codes, k_scale, k_zero, ids, lengths, 
     for head, (n, codes, scale, zero, head_ids) in enumerate(zip(
             lengths, _split(k_codes, lengths, d * bits // 8), _split(k_scale, windows, d),
             _split(k_zero, windows, d), _split(ids, windows, 1))):
-        if n == 0:
-            parts.append(rows.new_zeros(rows.shape[1], 0, dtype=dtype))
-            continue
         parts.append(quant_logits_reference(rows[head][None, None], codes.reshape(1, 1, n, d * bits // 8),
                                             scale.reshape(1, 1, -1, d), zero.reshape(1, 1, -1, d),
                                             head_ids.reshape(1, -1), cos, sin, sinks, omega, bits, scaling,
-                                            dtype)[0, 0])
+                                            dtype)[0, 0] if n else rows.new_zeros(rows.shape[1], 0, dtype=dtype))
     width = max((p.shape[-1] for p in parts), default=0) if width is None else width
     return torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=float("-inf")) for p in parts])
 

@@ -59,7 +59,7 @@ class Replay:
         query_pos = torch.cat([p for _, p in self.queries[layer.layer_idx]])
         key_pos = layer.attended_positions()
         if layer.owner.backend.reads_tier_in_place:  # the step read the quantized tier in place: replay against it too
-            keys, _ = layer._with_quantized([keys], [keys])
+            keys, _ = layer.with_quantized([keys], [keys])
         mass = key_attention_mass(query, query_pos, keys, key_pos, scaling)
         u = window_mass(mass, key_pos, layer.grid.sinks, layer.grid.omega, self.cache.plan.num_windows)
         before = self.after_event[layer.layer_idx]

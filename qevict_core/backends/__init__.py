@@ -20,6 +20,10 @@ class Backend:
     name: ClassVar[str] = "torch"
     reads_tier_in_place: ClassVar[bool] = False  # update() returns [sinks | full | recent] only
     steps_heads_in_one_pass: ClassVar[bool] = False  # a per-head cache's decode step runs every head at once
+    # A routing event sizes its work by what was decided (windows to quantize or dequantize: read back from the
+    # device), which on the CPU costs nothing and spares work; otherwise it works to bounds the host knows, so a
+    # routing step asks the device nothing (what a CUDA graph needs).
+    sizes_moves_on_host: ClassVar[bool] = False
 
     def prepare(self, cache) -> None:
         """Once, when ``cache`` is made: whatever its decode steps share (nothing by default)."""
@@ -43,6 +47,7 @@ class CPUBackend(Backend):
     name = "cpu"
     reads_tier_in_place = True
     steps_heads_in_one_pass = True
+    sizes_moves_on_host = True
 
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
         from . import cpu_path

@@ -9,6 +9,7 @@ import torch
 from .. import backends
 from .budget import KVShape, plan_tiers
 from .layout import WindowGrid
+from .quant import UNFIT
 from .cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
 from .qevict_layer import QEvictLayer
@@ -50,6 +51,7 @@ class QEvictCache(ReportingCache):
         self.schedule = RoutingSchedule(config.omega)
         self.grid = WindowGrid(config.sinks, config.omega)  # where every layer's windows lie
         self._moves: torch.Tensor | None = None
+        self._unfit: torch.Tensor | None = None  # routing events' scale check, read by the next forward
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
@@ -65,6 +67,21 @@ class QEvictCache(ReportingCache):
     def begin_forward(self, num_tokens: int) -> None:
         self.schedule.begin_forward(num_tokens, hold=self.staging)
         self._rope_table = None
+
+    def note_unfit(self, windows: torch.Tensor) -> None:
+        """Windows (bool, on the device) quantized at this routing event whose scales or zero-points their dtype
+        could not hold: remembered, and checked when the host reads the cache (:meth:`check_fit`: the memory report
+        the generation loop takes after every step, the summary) rather than read back inside a routing step."""
+        unfit = windows.any()
+        self._unfit = unfit if self._unfit is None else self._unfit | unfit
+
+    def check_fit(self) -> None:
+        """ValueError if a window quantized since the last check could not be stored (one read back, only after a
+        routing event)."""
+        unfit, self._unfit = self._unfit, None
+        if unfit is not None and bool(unfit):
+            dtype = self.config.param_dtype(self.shape.dtype)
+            raise ValueError(f"the cache's keys or values {UNFIT.format(dtype=dtype)}")
 
     def routed(self) -> bool:
         return self.schedule.routing_now and not self.plan.uncompressed
@@ -114,7 +131,12 @@ class QEvictCache(ReportingCache):
         # Kept on the device: a host sync per layer and event would stall GPU decoding.
         self._moves = moves if self._moves is None else self._moves + moves
 
+    def memory_report(self) -> dict:
+        self.check_fit()
+        return super().memory_report()
+
     def summary(self) -> dict:
+        self.check_fit()
         promotions, demotions, evictions = self._moves.tolist() if self._moves is not None else (0, 0, 0)
         return {"promotions": promotions, "demotions": demotions, "evictions": evictions,
                 "k_full": self.plan.k_full, "k_quant": self.plan.k_quant, "uncompressed": self.plan.uncompressed}

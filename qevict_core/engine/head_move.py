@@ -1,6 +1,6 @@
 """One routing move for every KV head of a layer at once: ``qevict_head`` on the CPU kernel.
 
-A head's move (``QEvictLayer._route``) is a fixed few dozen small tensor operations whatever its tiers hold, so
+A head's move (``row_move.move_rows``) is a fixed few dozen small tensor operations whatever its tiers hold, so
 moving a layer's H heads one by one cost about twice QEvict's move of the whole layer (line profile in commit
 87bc335's message). Here the heads move together, as rows of padded tensors: ``allot``'s one stable ranking gives
 every head's tiers (padding at -inf sorts last, so each row is the head's own decision), one index gathers every
@@ -120,7 +120,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     owner.add_moves(promoted.sum(), (q_tier == 1).sum(), sum(sizes) - f_rec.numel() - q_rec.numel())
     if old is not None:
         aged = cands[0][len(cands[0]) - num_aged:].tolist()
-        owner.events.extend(head._event(o, aged) for head, o in zip(heads, old))
+        owner.events.extend(head.routing_event(o, aged) for head, o in zip(heads, old))
     owner.scorer.carry(layer.scores)  # the stacked table: every head's row at once
     owner.note_bytes(layer.layer_idx)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import gather_seq
-from .quant import codes_per_byte, dequantize, dequantize_packed, pack, quantize, unpack
+from .quant import codes_per_byte, dequantize, dequantize_packed, pack, quantize, unfit, unpack
 
 # Tensors laid out along the sequence axis (dim 2): per window (key statistics) or per token (codes, value stats).
 _PER_WINDOW = ("k_scale", "k_zero")
@@ -69,14 +69,14 @@ class WindowLedger:
 
     @classmethod
     def quantize(cls, keys_prerope: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, omega: int,
-                 bits: int, param_dtype: torch.dtype | None = None) -> WindowLedger:
+                 bits: int, param_dtype: torch.dtype | None = None, check: bool = True) -> WindowLedger:
         """keys_prerope, values (B, H, n*Ω, D); ids (B, n); scales and zero-points in ``param_dtype`` (default the
-        keys' dtype)."""
+        keys' dtype). ``check=False``: pairs the dtype cannot hold are left infinite for :meth:`unfit` to find."""
         b, h, t, d = keys_prerope.shape
         n = t // omega
         by_window = keys_prerope.reshape(b, h, n, omega, d)  # (B, H, n, Ω, D)
-        k_codes, k_scale, k_zero = quantize(by_window, bits, dim=3, param_dtype=param_dtype)
-        v_codes, v_scale, v_zero = quantize(values, bits, dim=3, param_dtype=param_dtype)
+        k_codes, k_scale, k_zero = quantize(by_window, bits, dim=3, param_dtype=param_dtype, check=check)
+        v_codes, v_scale, v_zero = quantize(values, bits, dim=3, param_dtype=param_dtype, check=check)
         return cls(
             ids=ids.to(torch.int32),
             k_codes=pack(k_codes.reshape(b, h, t, d), bits),
@@ -88,6 +88,13 @@ class WindowLedger:
             omega=omega,
             bits=bits,
         )
+
+    def unfit(self) -> torch.Tensor:
+        """(B, n) bool on the device: windows with a scale or zero-point their dtype could not hold."""
+        b, h = self.ids.shape[0], self.k_scale.shape[1]
+        keys = unfit(self.k_scale, self.k_zero).any(dim=3)  # (B, H, n)
+        values = unfit(self.v_scale, self.v_zero).reshape(b, h, self.num_windows, -1).any(dim=3)
+        return (keys | values).any(dim=1)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (pre-RoPE keys, values), each (B, H, n*Ω, D) in ``dtype`` (default the scale dtype)."""

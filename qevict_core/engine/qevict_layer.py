@@ -24,11 +24,10 @@ import torch
 from .assemble import assemble
 from .cache_base import ReportingLayer
 from ..events import RoutingEvent
-from .layout import WindowGrid, gather_seq
+from .layout import WindowGrid
 from .fp_region import FullPrecision
+from .row_move import move_rows
 from .ledger import WindowLedger
-from .rope import unrotate
-from .routing import route_windows
 from .key_mass import attend_with_mass, kv_head_mass
 from .prompt_stage import PromptStage
 from .attention import sdpa_with_positions
@@ -73,7 +72,7 @@ class QEvictLayer(ReportingLayer):
             self.stage = None
         keys, values = self.fp.live()  # [sinks | full | recent]: views, no copy
         if self.quant.num_windows and not self.owner.backend.reads_tier_in_place:
-            return self._with_quantized([keys], [values])
+            return self.with_quantized([keys], [values])
         return keys, values
 
     def fp_reserve(self) -> int:
@@ -131,7 +130,7 @@ class QEvictLayer(ReportingLayer):
         self.fp.set_recent(keys, values)
         self.recent_start -= tokens
 
-    def _with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+    def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):
         """[dequantized, re-rotated ``windows`` (the whole quantized tier by default) | *keys]: a transient copy,
         counted as workspace."""
@@ -203,7 +202,7 @@ class QEvictLayer(ReportingLayer):
 
     def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rank the settled candidates and move windows between tiers."""
-        self._route(key, value, tier_in_keys=not self.owner.backend.reads_tier_in_place)
+        move_rows(self, key, value, tier_in_keys=not self.owner.backend.reads_tier_in_place)
         self.owner.note_bytes(self.layer_idx)
 
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
@@ -254,68 +253,6 @@ class QEvictLayer(ReportingLayer):
         parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
         return torch.cat(parts, dim=1)
 
-    def _route(self, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
-        """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
-        when the step read it in place (then only the windows that some row promotes get dequantized)."""
-        owner, grid, omega = self.owner, self.grid, self.grid.omega
-        n_quant, n_full = self.quant.num_windows, self.full_ids.shape[1]
-        cand_ids = self.candidates()
-        aged_ids = cand_ids[:, n_quant + n_full:]
-        num_aged = aged_ids.shape[1]
-        has_record = torch.cat([torch.ones_like(self.quant.ids, dtype=torch.bool),
-                                self.dormant_valid if self.dormant is not None
-                                else torch.zeros_like(self.full_ids, dtype=torch.bool),
-                                torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
-        k_full, k_quant = self.capacities()
-        decision = route_windows(self.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
-                                 owner.config.promotion)
-        # copies: a move rewrites the tiers in place
-        old = (self.full_ids.clone(), self.quant.ids.clone()) if owner.config.record_events else None
-        quant_starts = torch.arange(n_quant, device=keys.device) * omega
-        if not tier_in_keys and n_quant:
-            promoted = decision.full[decision.full < n_quant].unique()  # slots that some row promotes
-            quant_starts = torch.zeros_like(quant_starts).index_copy_(
-                0, promoted, torch.arange(promoted.numel(), device=keys.device) * omega)
-            if promoted.numel():
-                keys, values = self._with_quantized([keys], [values], self.quant.select(promoted.expand(
-                    keys.shape[0], -1)))
-        # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
-        fp_start = keys.shape[2] - self.full_k.shape[2] - self.recent_k.shape[2]  # past [quant | sinks]
-        starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
-                            fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
-
-        full_tok = _token_index(starts, decision.full, omega)
-        stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
-        full_k, full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
-
-        # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
-        # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
-        # demoted ones without a dormant record). One copy joins them and one selection per tier picks from it.
-        records = [self.quant] + ([self.dormant] if self.dormant is not None else [])
-        n_records = sum(r.num_windows for r in records)
-        quant_idx = decision.quant
-        need = ~has_record.gather(1, decision.quant)
-        if need.any():
-            m = int(need.sum(1).max())
-            slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :m]
-            chosen = decision.quant.gather(1, slots)
-            tok = _token_index(starts, chosen, omega)
-            positions = grid.positions(cand_ids.gather(1, chosen))
-            pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
-            records.append(WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
-                                                 omega, owner.config.bits, owner.config.param_dtype(stored)))
-            fresh = n_records + torch.arange(m, device=keys.device).expand_as(slots)
-            quant_idx = quant_idx.scatter(1, slots, torch.where(need.gather(1, slots), fresh, chosen))
-        joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
-        dormant = _select_records(joined, decision.full, full_k) if self.dormant is not None else None
-        self.keep_records(_select_records(joined, quant_idx, keys), dormant, has_record.gather(1, decision.full)
-                          if dormant is not None else self.dormant_valid)
-        self.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
-        owner.count_moves(decision, n_quant, n_full)
-        if old is not None:
-            owner.events.append(self._event(old, aged_ids[0].tolist()))
-        owner.scorer.carry(self.scores)
-
     def capacities(self) -> tuple[int, int]:
         """(K_f, K_q) of this layer at its next routing event."""
         return self.owner.plan.k_full, self.owner.plan.k_quant
@@ -330,7 +267,7 @@ class QEvictLayer(ReportingLayer):
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
         return self.owner.scorer.rank(self.scores).gather(1, cand_ids.long())
 
-    def _event(self, old, aged: list[int]) -> RoutingEvent:
+    def routing_event(self, old, aged: list[int]) -> RoutingEvent:
         old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
         full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
         live = set(full) | set(quant)
@@ -371,20 +308,6 @@ class QEvictLayer(ReportingLayer):
         staged = self.stage.num_tokens if self.stage is not None else 0  # the prompt not yet routed: recent
         return {"sink": self.sink_k.shape[2], "recent": self.recent_k.shape[2] + staged, "full": n_full * omega,
                 "quantized": n_quant * omega, "evicted": (left_recent - n_full - n_quant) * omega - staged}
-
-
-def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
-    """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
-    return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
-
-
-def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.Tensor) -> WindowLedger:
-    """Ledger records of the chosen candidates; candidates without a record get zeros (flagged invalid)."""
-    if records.num_windows == 0:
-        b, h, _, d = like.shape
-        return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
-                                  num_windows=cand_idx.shape[1])
-    return records.select(cand_idx.clamp(max=records.num_windows - 1))
 
 
 def _overwrite(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

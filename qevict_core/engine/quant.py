@@ -21,20 +21,21 @@ def codes_per_byte(bits: int) -> int:
     return 8 // bits
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int,
-             param_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, bits: int, dim: int, param_dtype: torch.dtype | None = None,
+             check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one (scale, zero) pair per slice reduced along ``dim``.
 
     Returns unpacked uint8 codes and scale/zero in ``param_dtype`` (default ``x``'s dtype), kept along ``dim`` with
     size 1. Dequantization errs by at most scale / 2 per element (round to nearest), computed in float32 (a 16-bit
-    result adds its own rounding).
+    result adds its own rounding). ``check``: a pair that ``param_dtype`` cannot hold is a ValueError now (a read
+    back from the device); without it the pair is infinite and the caller checks (:func:`unfit`).
     """
     levels = (1 << bits) - 1
     lo = x.amin(dim=dim, keepdim=True)
     hi = x.amax(dim=dim, keepdim=True)
     param_dtype = param_dtype or x.dtype
     if param_dtype != x.dtype or x.element_size() < 4:  # 16-bit inputs: codes computed in float32 all the same
-        return _quantize_narrow(x, lo, hi, levels, param_dtype)
+        return _quantize_narrow(x, lo, hi, levels, param_dtype, check)
     scale = (hi - lo) / levels
     return _codes(x, lo, scale, levels), scale, lo
 
@@ -45,8 +46,8 @@ def _codes(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, levels: int
     return ((x - zero) * inv).round_().clamp_(0, levels).to(torch.uint8)
 
 
-def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int,
-                     param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, param_dtype: torch.dtype,
+                     check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Parameters stored in another dtype than ``x``, or ``x`` in 16 bits: the zero-point rounded down and the scale
     up to ``param_dtype``, so that [zero, zero + levels * scale] still covers the slice, and the codes computed against
     the stored pair: the half-step bound holds for the pair dequantization reads, not for one it never sees. The
@@ -55,10 +56,17 @@ def _quantize_narrow(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels
     x, lo, hi = x.to(work), lo.to(work), hi.to(work)
     zero = _round(lo, param_dtype, down=True)
     scale = _round((hi - zero.to(work)) / levels, param_dtype, down=False)
-    if not (torch.isfinite(zero) & torch.isfinite(scale)).all():  # one read back, not two
-        raise ValueError(f"values up to {float(x.abs().max()):.3g} do not fit {param_dtype} scales and zero-points: "
-                         f"use scale_dtype='model' or 'bfloat16'")
+    if check and not (torch.isfinite(zero) & torch.isfinite(scale)).all():  # one read back, not two
+        raise ValueError(f"values up to {float(x.abs().max()):.3g} {UNFIT.format(dtype=param_dtype)}")
     return _codes(x, zero.to(work), scale.to(work), levels), scale, zero
+
+
+UNFIT = "do not fit {dtype} scales and zero-points: use scale_dtype='model' or 'bfloat16'"
+
+
+def unfit(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Bool, on the device, per slice: a pair its dtype could not hold (infinite)."""
+    return ~(torch.isfinite(scale) & torch.isfinite(zero))
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:

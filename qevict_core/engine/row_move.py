@@ -1,0 +1,116 @@
+"""One routing move of a layer, for every batch row at once (Algorithm 1, lines 5-21): QEvict's per-layer routing.
+
+The decision (``routing.route_windows``) ranks the candidates - the quantized tier, the full tier and the windows
+aging out of the recent region - and moves are gathers from the step's attended keys: promotion copies the already
+dequantized window (or, where the step read the low-bit tier in place, dequantizes the windows some row promotes),
+demotion reuses the window's dormant ledger record when it has one and quantizes it (once, ever) when it does not.
+The records the new quantized tier needs and has not got are quantized first and joined with
+``[quantized | dormant]`` in one copy, from which the quantized tier and the dormant ledger each take their windows
+with one selection. The layer keeps the result (``keep_records``, ``keep_moved``), in its own storage. A per-head
+cache's move of every head at once is head_move.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import gather_seq
+from .ledger import WindowLedger
+from .rope import unrotate
+from .routing import route_windows
+
+
+def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
+    """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
+    when the step read it in place (then only the windows that some row promotes get dequantized)."""
+    owner, grid, omega = layer.owner, layer.grid, layer.grid.omega
+    n_quant, n_full = layer.quant.num_windows, layer.full_ids.shape[1]
+    cand_ids = layer.candidates()
+    aged_ids = cand_ids[:, n_quant + n_full:]
+    num_aged = aged_ids.shape[1]
+    has_record = torch.cat([torch.ones_like(layer.quant.ids, dtype=torch.bool),
+                            layer.dormant_valid if layer.dormant is not None
+                            else torch.zeros_like(layer.full_ids, dtype=torch.bool),
+                            torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
+    k_full, k_quant = layer.capacities()
+    decision = route_windows(layer.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
+                             owner.config.promotion)
+    # copies: a move rewrites the tiers in place
+    old = (layer.full_ids.clone(), layer.quant.ids.clone()) if owner.config.record_events else None
+    quant_starts = torch.arange(n_quant, device=keys.device) * omega
+    if not tier_in_keys and n_quant:
+        keys, values, quant_starts = _promoted_first(layer, keys, values, decision, n_quant)
+    # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
+    fp_start = keys.shape[2] - layer.full_k.shape[2] - layer.recent_k.shape[2]  # past [quant | sinks]
+    starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
+                        fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
+
+    full_tok = _token_index(starts, decision.full, omega)
+    stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
+    full_k, full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+
+    # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
+    # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
+    # demoted ones without a dormant record). One copy joins them and one selection per tier picks from it.
+    records = [layer.quant] + ([layer.dormant] if layer.dormant is not None else [])
+    n_records = sum(r.num_windows for r in records)
+    quant_idx = decision.quant
+    need = ~has_record.gather(1, decision.quant)
+    if owner.backend.sizes_moves_on_host:
+        m = int(need.sum(1).max()) if need.any() else 0
+    else:  # an aged window or a full one without a dormant record: a bound the host knows
+        m = min(decision.quant.shape[1], num_aged + n_full)
+    if m:
+        slots = need.int().argsort(dim=1, descending=True, stable=True)[:, :m]  # the windows that need one first
+        chosen, needed = decision.quant.gather(1, slots), need.gather(1, slots)
+        tok = _token_index(starts, chosen, omega)
+        positions = grid.positions(cand_ids.gather(1, chosen))
+        pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
+        on_host = owner.backend.sizes_moves_on_host  # else the scales' check is read back later
+        fresh = WindowLedger.quantize(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen), omega,
+                                      owner.config.bits, owner.config.param_dtype(stored), check=on_host)
+        if not on_host:
+            owner.note_unfit(fresh.unfit() & needed)
+        records.append(fresh)
+        fresh_idx = n_records + torch.arange(m, device=keys.device).expand_as(slots)
+        quant_idx = quant_idx.scatter(1, slots, torch.where(needed, fresh_idx, chosen))
+    joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
+    dormant = _select_records(joined, decision.full, full_k) if layer.dormant is not None else None
+    layer.keep_records(_select_records(joined, quant_idx, keys), dormant, has_record.gather(1, decision.full)
+                      if dormant is not None else layer.dormant_valid)
+    layer.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
+    owner.count_moves(decision, n_quant, n_full)
+    if old is not None:
+        owner.events.append(layer.routing_event(old, aged_ids[0].tolist()))
+    owner.scorer.carry(layer.scores)
+
+def _promoted_first(layer, keys: torch.Tensor, values: torch.Tensor, decision, n_quant: int):
+    """[dequantized windows that some row promotes | keys] (the step read the low-bit tier in place, so only
+    they need full precision), and where each quantized slot's tokens start in it. Without sizing on the host,
+    as many slots are dequantized as the full tier has places (promoted ones first), which needs no count."""
+    omega, device = layer.grid.omega, keys.device
+    hit = torch.zeros(n_quant + 1, dtype=torch.uint8, device=device).index_fill_(
+        0, decision.full.flatten().clamp(max=n_quant), 1)[:n_quant]  # (nQ,): slots that some row promotes
+    m = int(hit.sum()) if layer.owner.backend.sizes_moves_on_host else min(decision.full.numel(), n_quant)
+    starts = torch.zeros(n_quant, dtype=torch.long, device=device)
+    if not m:
+        return keys, values, starts
+    slots = hit.unsqueeze(0).argsort(dim=1, descending=True, stable=True)[0, :m]  # promoted first, by slot
+    starts.index_copy_(0, slots, torch.arange(m, device=device) * omega)
+    keys, values = layer.with_quantized([keys], [values], layer.quant.select(slots.expand(keys.shape[0], -1)))
+    return keys, values, starts
+
+def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
+    """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
+    return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
+
+
+def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.Tensor) -> WindowLedger:
+    """Ledger records of the chosen candidates; candidates without a record get zeros (flagged invalid)."""
+    if records.num_windows == 0:
+        b, h, _, d = like.shape
+        return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
+                                  num_windows=cand_idx.shape[1])
+    return records.select(cand_idx.clamp(max=records.num_windows - 1))
+
+
