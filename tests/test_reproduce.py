@@ -50,4 +50,5 @@ def test_committed_ruler_rows_reproduce_at_head(smollm2, task, sample):
         torch.set_num_threads(threads)
     for lane, row in zip(lanes, rows):
         assert lane.text[:400] == row["prediction"], (lane.name, lane.text[:120], row["prediction"][:120])
-        assert lane.cache.memory_report()["total_bytes"] == row["total_bytes"], lane.name
+        report = lane.cache.memory_report()  # the rows predate the room a layer's full-precision buffer reserves
+        assert report["total_bytes"] - report["components"].get("reserved", 0) == row["total_bytes"], lane.name

@@ -18,7 +18,9 @@ Eq. 3's split (q = 0.70), no pooling.
 
 **Lane cards and the stats table**
 - **KV MiB / % of FullKV** — bytes of every tensor the cache keeps right now (keys, values, codes, scales, window
-  ids, score tables, buffers), against the uncompressed cache of the same tokens.
+  ids, score tables, buffers, and the room QEvict's buffers hold for the tokens to come), against the uncompressed
+  cache of the same tokens. A lane that stops early can show a little more than its budget, which is a share of
+  the whole run's FullKV bytes.
 - **full / low-bit / evicted tokens** — tokens of one layer in each tier, averaged over layers; the same unit for
   every method. Eviction baselines have no low-bit tier; KIVI keeps everything in low bits plus a recent residual.
 - **promotions / demotions** — window moves between the tiers, summed over layers (and over KV heads for
