@@ -112,8 +112,9 @@ def _tier_storage(cache) -> list[tuple]:
 _LEDGER_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
-@pytest.mark.parametrize("kernels", ["torch", "cpu"])
-def test_the_tiers_keep_their_storage_across_steps_and_routing_events(kernels):
+@pytest.mark.parametrize("kernels, grad_mode", [("torch", torch.inference_mode), ("cpu", torch.inference_mode),
+                                               ("cpu", torch.no_grad)])  # views own a base only under no_grad
+def test_the_tiers_keep_their_storage_across_steps_and_routing_events(kernels, grad_mode):
     """From the prompt's routing event on, each layer's [sinks | full | recent] lives in one buffer of the plan's
     size: decode steps write into it and routing events rewrite it in place, so its address never changes (what a
     captured graph needs), and what it holds is what the plan charges (measured bytes within the budget). The
@@ -121,7 +122,7 @@ def test_the_tiers_keep_their_storage_across_steps_and_routing_events(kernels):
     model, omega = tiny_model("llama", 2), 8
     cache = make_cache("qevict", model, QEvictConfig(budget=0.3, kernels=kernels, omega=omega, coverage=None),
                        max_length=400)  # Eq. 3's split: a full tier to rewrite
-    with torch.inference_mode():
+    with grad_mode():
         token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         fp_storage = [(layer.fp.keys.data_ptr(), layer.fp.values.data_ptr()) for layer in cache.layers]
         assert all(layer.fp.capacity == layer.fp_reserve() < 300 for layer in cache.layers)

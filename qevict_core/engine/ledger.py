@@ -123,12 +123,12 @@ class WindowLedger:
         return WindowLedger(**picked, omega=self.omega, bits=self.bits)
 
     def overwrite(self, other: WindowLedger) -> WindowLedger:
-        """``other``'s windows in this ledger's storage when it holds as many (and owns its storage), else ``other``
-        itself: a routing event that keeps the tier's size rewrites it in place, so its tensors keep their
-        addresses."""
+        """``other``'s windows in this ledger's storage when it holds as many, else ``other`` itself: a routing
+        event that keeps the tier's size rewrites it in place, so its tensors keep their addresses. (Only for a
+        ledger that owns its storage: a view into storage other tiers share is replaced, never written.)"""
         fields = ("ids",) + _SEQ_FIELDS
-        same = all(getattr(self, f).shape == getattr(other, f).shape and getattr(self, f).dtype == getattr(other, f).dtype
-                   and getattr(self, f)._base is None for f in fields)
+        mine, theirs = ([(getattr(led, f).shape, getattr(led, f).dtype) for f in fields] for led in (self, other))
+        same = mine == theirs
         if not same or other.omega != self.omega or other.bits != self.bits:
             return other
         for name in fields:

@@ -88,10 +88,6 @@ class QEvictLayer(ReportingLayer):
         to_sinks = max(0, min(key_states.shape[2], self.owner.config.sinks - self.seen))
         self.fp.append(key_states, value_states, to_sinks)
 
-    def part(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values of the full-precision part ``name`` (sink, full, recent), as views of the layer's buffer."""
-        return self.fp.part(name)
-
     sink_k = property(lambda self: self.fp.part("sink")[0])
     sink_v = property(lambda self: self.fp.part("sink")[1])
     full_k = property(lambda self: self.fp.part("full")[0])
@@ -311,7 +307,7 @@ class QEvictLayer(ReportingLayer):
 
 
 def _overwrite(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``new``'s values in ``old``'s storage when the shapes agree (and ``old`` is not a view another tensor owns)."""
-    if old.shape == new.shape and old.dtype == new.dtype and old._base is None:
+    """``new``'s values in ``old``'s storage when the shapes agree."""
+    if old.shape == new.shape and old.dtype == new.dtype:
         return old.copy_(new)
     return new
