@@ -84,6 +84,7 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
         owner.events.append(layer.routing_event(old, aged_ids[0].tolist()))
     owner.scorer.carry(layer.scores)
 
+
 def _promoted_first(layer, keys: torch.Tensor, values: torch.Tensor, decision, n_quant: int):
     """[dequantized windows that some row promotes | keys] (the step read the low-bit tier in place, so only
     they need full precision), and where each quantized slot's tokens start in it. Without sizing on the host,
@@ -100,6 +101,7 @@ def _promoted_first(layer, keys: torch.Tensor, values: torch.Tensor, decision, n
     keys, values = layer.with_quantized([keys], [values], layer.quant.select(slots.expand(keys.shape[0], -1)))
     return keys, values, starts
 
+
 def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
     """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
     return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
@@ -112,5 +114,3 @@ def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.T
         return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
                                   num_windows=cand_idx.shape[1])
     return records.select(cand_idx.clamp(max=records.num_windows - 1))
-
-
