@@ -130,9 +130,14 @@ def run_metadata(model_name: str, device: str) -> dict:
             "commit": commit, "dirty": dirty, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as rows name it: "bfloat16", not "torch.bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def kv_dtype(cache) -> str:
     """The dtype a cache stores full-precision keys and values in (its byte counts are in it), for rows."""
-    return str(cache.shape.dtype).removeprefix("torch.")
+    return dtype_name(cache.shape.dtype)
 
 
 def read_jsonl(paths) -> list[dict]:

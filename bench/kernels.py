@@ -42,7 +42,7 @@ from tqdm import tqdm
 from qevict_kernels import cpu_decode
 
 from . import kernel_resources
-from .common import RESULTS, run_metadata
+from .common import RESULTS, dtype_name, run_metadata
 
 HKV, GROUPS, HEAD_DIM, OMEGA, FP_TOKENS = 8, 4, 128, 8, 64
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the C kernel's stored pairs
@@ -171,7 +171,7 @@ def c_measure(windows: int, heads: int, rows: int, dim: int, omega: int, bits: i
     for dtype in DTYPES:
         narrow = {**keys, "k_scale": keys["k_scale"].to(dtype), "k_zero": keys["k_zero"].to(dtype)}
         scale, zero = v_scale.to(dtype), v_zero.to(dtype)
-        result[str(dtype).removeprefix("torch.")] = (
+        result[dtype_name(dtype)] = (
             median_us(lambda: cpu_decode.quant_logits(**narrow), repeats, calls),
             median_us(lambda: cpu_decode.quant_values(probs, v_codes, scale, zero, bits), repeats, calls))
     return result

@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from .common import RESULTS, add_model_args, append_jsonl, setup
+from .common import RESULTS, add_model_args, append_jsonl, dtype_name, setup
 
 DEFAULT_LANES = ("fullkv", "snapkv", "qevict")
 
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
 
     model, tokenizer, meta = setup(args.model, args.device, args.threads)
     # The form has no storage control: every lane stores what the config's default gives this model
-    meta["kv_dtype"] = str(QEvictConfig().storage_dtype(model.dtype)).removeprefix("torch.")
+    meta["kv_dtype"] = dtype_name(QEvictConfig().storage_dtype(model.dtype))
     handlers = RunHandlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]), TabRuns())
     out = Path(args.out) / "studio_latency.jsonl"
     names = args.examples.split(",") if args.examples else list(EXAMPLES)

@@ -42,7 +42,7 @@ from qevict_core.generation.model_call import call
 from qevict_vllm.settings import config_from
 from ui.examples import EXAMPLES
 
-from .common import append_jsonl, kv_dtype, run_metadata
+from .common import append_jsonl, dtype_name, kv_dtype, run_metadata
 from .ruler_tasks import DEFAULT_TASKS, TASKS, sample_seed, sized_sample, string_match_all
 from .stats import paired, paired_cell
 
@@ -176,7 +176,7 @@ def serve(jobs: list[dict], budget: float | None) -> dict:
     shape = KVShape.from_model(llm_view(engine))
     return {"texts": [texts[k] for k in range(len(jobs))], "seconds": seconds, "tokens": tokens,
             "peak_blocks": peak, "pool_blocks": pool.num_gpu_blocks, "block_bytes": shape.fullkv_bytes(32),
-            "kv_dtype": str(shape.dtype).removeprefix("torch."),  # vLLM's KV cache and QEvict's: the served dtype
+            "kv_dtype": dtype_name(shape.dtype),  # vLLM's KV cache and QEvict's: the served dtype
             "blocks_freed": sum(qevict_vllm.report()["blocks_freed"].values()), "qevict_peak_bytes": held}
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qevict_core import QEvictConfig, make_cache
+from qevict_core.engine.ledger import TENSORS
 from qevict_core.generation.model_call import call
 from tests.conftest import random_prompt, tiny_model
 
@@ -104,12 +105,9 @@ def _tier_storage(cache) -> list[tuple]:
     for layer in cache.layers:
         ledgers = [layer.quant] + ([layer.dormant] if layer.dormant is not None else [])
         tensors = [layer.fp.keys, layer.fp.values, layer.full_ids, layer.dormant_valid, layer.scores]
-        tensors += [getattr(ledger, name) for ledger in ledgers for name in ("ids", *_LEDGER_FIELDS)]
+        tensors += [getattr(ledger, name) for ledger in ledgers for name in TENSORS]
         out.append((tuple(t.shape for t in tensors), tuple(t.data_ptr() for t in tensors)))
     return out
-
-
-_LEDGER_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
 @pytest.mark.parametrize("kernels, grad_mode", [("torch", torch.inference_mode), ("cpu", torch.inference_mode),

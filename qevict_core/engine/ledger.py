@@ -20,6 +20,7 @@ from .quant import codes_per_byte, dequantize, dequantize_packed, pack, quantize
 # Tensors laid out along the sequence axis (dim 2): per window (key statistics) or per token (codes, value stats).
 _PER_WINDOW = ("k_scale", "k_zero")
 _SEQ_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+TENSORS = ("ids", *_SEQ_FIELDS)  # every tensor a ledger holds
 
 
 @dataclass
@@ -126,12 +127,10 @@ class WindowLedger:
         """``other``'s windows in this ledger's storage when it holds as many, else ``other`` itself: a routing
         event that keeps the tier's size rewrites it in place, so its tensors keep their addresses. (Only for a
         ledger that owns its storage: a view into storage other tiers share is replaced, never written.)"""
-        fields = ("ids",) + _SEQ_FIELDS
-        mine, theirs = ([(getattr(led, f).shape, getattr(led, f).dtype) for f in fields] for led in (self, other))
-        same = mine == theirs
-        if not same or other.omega != self.omega or other.bits != self.bits:
+        mine, theirs = ([(getattr(led, f).shape, getattr(led, f).dtype) for f in TENSORS] for led in (self, other))
+        if mine != theirs or other.omega != self.omega or other.bits != self.bits:
             return other
-        for name in fields:
+        for name in TENSORS:
             getattr(self, name).copy_(getattr(other, name))
         return self
 
