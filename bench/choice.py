@@ -2,7 +2,7 @@
 committed rows: every candidate's retrieval R (5% and 10%, 2K and 4K), its 20% retrieval, its mean KL on the
 development passages, the fidelity gate, and its paired difference from the reference on the same prompts.
 
-    python -m bench.choice --reference qevict --folder bench/results/default_dev
+    python -m bench.choice --reference qevict --folder bench/results/default_dev_16bit
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def table(candidates: list[dict], reference: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.choice", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", default=str(RESULTS / "default_dev"))
+    parser.add_argument("--folder", default=str(RESULTS / "default_dev_16bit"))
     parser.add_argument("--reference", default="qevict")
     args = parser.parse_args(argv)
     folder = Path(args.folder)

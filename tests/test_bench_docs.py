@@ -27,7 +27,7 @@ def test_the_docs_hold_marked_tables_and_a_hand_edit_is_caught():
 
 def test_an_unknown_kind_or_folder_is_refused_with_what_exists():
     with pytest.raises(ValueError, match="kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, choice"):
-        render("nonsense", "default_dev")
+        render("nonsense", "default_dev_16bit")
     with pytest.raises(ValueError, match="no results folder"):
         render("ruler", "no_such_folder")
 
