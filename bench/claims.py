@@ -11,13 +11,13 @@ interval, or *no rows* when the rows it needs are missing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Callable
 
 from .common import read_jsonl
-from .stats import paired, shared
+from .stats import paired, paired_cell, shared
 
 # RULER at 32K on Llama-3.1-8B-Instruct, 20% of the KV bytes (the paper's Table 2), the 13 tasks in its order
 PAPER_RULER_32K = {
@@ -36,10 +36,11 @@ class Rows:
     conditions: dict  # name -> one condition of bench.conditions (R1, R2, R3, R4, R3 no promotion, ...)
     ruler: list[dict]
     gpu: list[dict]  # bench.speed rows on a GPU
+    fidelity: list[dict] = field(default_factory=list)  # bench.fidelity rows
 
     @classmethod
     def load(cls, folders: list[Path]) -> Rows:
-        conditions, ruler, gpu = {}, [], []
+        conditions, ruler, gpu, fidelity = {}, [], [], []
         for folder in folders:
             if (folder / "conditions" / "diagnostics.json").exists():
                 conditions.update(json.loads((folder / "conditions" / "diagnostics.json").read_text())["conditions"])
@@ -48,7 +49,8 @@ class Rows:
             gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths")
                                                  for f in (folder / sub).glob("*.jsonl")))
                     if str(r.get("device", "")).startswith("cuda")]
-        return cls(conditions, ruler, gpu)
+            fidelity += read_jsonl(sorted(folder.glob("fidelity*/fidelity.jsonl")))
+        return cls(conditions, ruler, gpu, fidelity)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _ruler_gap(other: str, method: str = "qevict_paper", budget: float = 0.2):
         cells, inside = [], []
         for length in sorted({r["length"] for r in rows.ruler}):
             def scores(method, b):
-                return {(r["task"], r["sample"]): 100 * r["score"] for r in rows.ruler
+                return {(r["task"], r["sample"], r.get("seed")): 100 * r["score"] for r in rows.ruler
                         if r["method"] == method and r["budget"] == b and r["length"] == length
                         and r.get("score") is not None}
             mine, theirs = scores(method, budget), scores(other, None if other == "fullkv" else budget)
@@ -94,6 +96,33 @@ def _ruler_gap(other: str, method: str = "qevict_paper", budget: float = 0.2):
             return NO_ROWS
         return "; ".join(cells), "consistent" if all(inside) else "differs"
     return ours
+
+
+def _on_shared(found: list[dict], a: str, b: str, key: Callable, value: Callable) -> dict:
+    """{cell: (a's value, b's value)} over the cells (``key`` of a row) where both methods have a value."""
+    def cells(method: str) -> dict:
+        return {key(r): value(r) for r in found if r["method"] == method and value(r) is not None}
+    mine, theirs = cells(a), cells(b)
+    return {k: (mine[k], theirs[k]) for k in mine.keys() & theirs.keys()}
+
+
+def _without_promotion(rows: Rows) -> tuple[str, str]:
+    """The default minus itself with ``promotion=False``, paired over the prompts (RULER: every length and budget
+    both ran, string_match_all × 100) and the passages (next-token KL) they share; each verdict from its interval."""
+    ruler = _on_shared(rows.ruler, "qevict", "qevict+promotion=false",
+                       lambda r: (r["length"], r["budget"], r["task"], r["sample"], r.get("seed")),
+                       lambda r: None if r.get("score") is None else 100 * r["score"])
+    kl = _on_shared(rows.fidelity, "qevict", "qevict+promotion=false",
+                    lambda r: (r.get("prefill"), r["budget"], r.get("offset")), lambda r: r.get("kl"))
+    parts, verdicts = [], []
+    for name, cells, digits, better in (("RULER", ruler, 1, "higher"), ("KL", kl, 4, "lower")):
+        if cells:
+            keys = sorted(cells, key=str)
+            result = paired([cells[k][0] for k in keys], [cells[k][1] for k in keys])
+            budgets = ", ".join(f"{b:.0%}" for b in sorted({k[1] for k in keys}))
+            parts.append(f"{name} at {budgets}: {paired_cell(result, 1, digits, better)}")
+            verdicts.append(f"{name} {result.verdict(better)}")
+    return ("; ".join(parts), ", ".join(verdicts)) if parts else NO_ROWS
 
 
 def _gpu_ratio(key: str, paper: float):
@@ -166,6 +195,9 @@ CLAIMS = [
     Claim("Windows lower selection churn: R3 below R1", "R1 0.017, R3 0.0012 (Section 3)", _lower("R3", "R1", "churn")),
     Claim("Promotion lowers FMM: R3 below R3 without promotion", "16.8% → 16.1% (Table 18)",
           _lower("R3", "R3 no promotion", "fmm")),
+    Claim("What promotion buys the default: `qevict` against itself with `promotion=False`, at budgets where it "
+          "keeps full windows (better or worse where the paired interval excludes zero)",
+          "— (Appendix K reports diagnostics only)", _without_promotion),
     Claim("Low-bit scores keep the ranking: QSA of R3 at least 0.95", "0.9824 (Section 3), 0.985 (Table 18)",
           _bounded("R3", "qsa", 0.95, above=True)),
     Claim("Low-bit attention is attenuated: R_Q of R3 below 1", "95.5% with promotion, 88.7% without (Table 18)",

@@ -201,3 +201,23 @@ def test_a_ruler_gap_is_consistent_when_the_paper_s_figure_lies_inside_our_inter
     figure, verdict = claim.ours(Rows({}, near, []))
     assert figure.startswith("2K: -2.0 [") and verdict == "consistent", (figure, gap)
     assert claim.ours(Rows({}, far, []))[1] == "differs"
+
+
+def test_what_promotion_buys_is_paired_over_the_same_prompts_and_passages():
+    from bench.claims import CLAIMS, Rows
+
+    claim = next(c for c in CLAIMS if c.claim.startswith("What promotion buys the default"))
+    ruler = [{"method": m, "budget": b, "length": 2048, "task": "t", "sample": i, "seed": 7, "score": s}
+             for i in range(40) for b in (0.4, 0.5)
+             for m, s in (("qevict", 1.0), ("qevict+promotion=false", 0.0 if i < 10 else 1.0))]
+    # another draw's prompt under the same task and index pairs with nothing (keyed by (task, sample) alone, it
+    # would replace a miss by a hit and the mean would drop)
+    ruler.append({"method": "qevict+promotion=false", "budget": 0.4, "length": 2048, "task": "t", "sample": 0,
+                  "seed": 8, "score": 1.0})
+    fidelity = [{"method": m, "budget": 0.4, "prefill": 2048, "offset": o, "kl": kl} for o in range(10)
+                for m, kl in (("qevict", 0.01), ("qevict+promotion=false", 0.02 + 0.001 * o))]
+    assert claim.ours(Rows({}, [], [])) == ("—", "no rows")
+    figure, verdict = claim.ours(Rows({}, ruler, [], fidelity))
+    assert figure.startswith("RULER at 40%, 50%: +25.0 [") and "(80; better;" in figure, figure
+    assert "KL at 40%: -0.0145 [" in figure and "(10; better;" in figure, figure
+    assert verdict == "RULER better, KL better"
