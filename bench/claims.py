@@ -197,7 +197,8 @@ CLAIMS = [
           _lower("R3", "R3 no promotion", "fmm")),
     Claim("What promotion buys the default: `qevict` against itself with `promotion=False`, at budgets where it "
           "keeps full windows (better or worse where the paired interval excludes zero)",
-          "— (Appendix K reports diagnostics only)", _without_promotion),
+          "— (Appendix K reports diagnostics only)", _without_promotion,
+          "at the same bytes, the run without promotion keeps more full windows: it reserves no dormant records"),
     Claim("Low-bit scores keep the ranking: QSA of R3 at least 0.95", "0.9824 (Section 3), 0.985 (Table 18)",
           _bounded("R3", "qsa", 0.95, above=True)),
     Claim("Low-bit attention is attenuated: R_Q of R3 below 1", "95.5% with promotion, 88.7% without (Table 18)",

@@ -32,8 +32,8 @@ from .compare import fidelity_text, ruler_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "bench/README.md", "bench/choice.md", "bench/ruler.md", "bench/fidelity.md", "bench/gpu.md",
-             "bench/evaluation.md", "docs/engine.md", "docs/baselines.md", "docs/library.md", "docs/studio.md",
-             "docs/vllm.md")
+             "bench/evaluation.md", "bench/promotion.md", "docs/engine.md", "docs/baselines.md", "docs/library.md",
+             "docs/studio.md", "docs/vllm.md")
 MARKER = re.compile(r"(<!-- bench\.report ([\w=,+]+) ([\w/+.-]+) -->\n)(.*?)(<!-- /bench\.report -->)", re.S)
 COLORS = {"qevict": "#16a34a", "fullkv": "#111827", "snapkv": "#2563eb", "adakv": "#7c3aed", "streamingllm": "#6b7280",
           "defensivekv": "#db2777", "layer_defensivekv": "#be185d", "criticalkv": "#0891b2", "h2o": "#ea580c",

