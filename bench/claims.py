@@ -1,11 +1,13 @@
 """The paper's claims beside ours: what the paper reports (its figure, where it is printed), what the committed rows
 give here, the verdict those rows support, and why where it is known. ``bench.report`` renders the table (kind
-``claims``) from a results folder's ``conditions/``, ``ruler/`` and ``ruler4k/`` rows (the paper's preset,
-``qevict_paper``, and the R1-R4 conditions of Appendix I) and a GPU folder's ``speed/`` and ``paths/`` rows.
+``claims``) from each results folder's ``conditions/``, ``ruler/``, ``ruler4k/`` and ``fidelity*/`` rows (the
+paper's preset, ``qevict_paper``, the R1-R4 conditions of Appendix I, the promotion experiment) and a GPU folder's
+``speed/`` and ``paths/`` rows. Rows pair only on the same prompt (task, sample and the draw's seed) or passage.
 
 A verdict is computed from the rows by the rule its claim states, never typed: *reproduced*, *not reproduced* (with
 the direction found), *consistent* / *differs* for a gap whose paper figure falls inside / outside our 95% paired
-interval, or *no rows* when the rows it needs are missing.
+interval, *better* / *worse* / *indistinguishable* for a comparison the paper gives no figure for, or *no rows*
+when the rows it needs are missing.
 """
 
 from __future__ import annotations

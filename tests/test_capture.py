@@ -2,9 +2,10 @@
 TRITON_INTERPRET=1, and the PyTorch path that ``kernels="auto"`` takes on CUDA) asks the host nothing. Under a
 dispatch mode that refuses the operators that wait for the device (``nonzero``, ``.item()``/``int()``,
 ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
-runs, and two plain steps at different fill levels launch the same sequence of operators. The full-precision tiers
-keep one buffer across steps and routing events. (Routing steps still decide on the host, and the low-bit ledgers are
-still replaced at each event, so a captured graph's addresses of them change there.)"""
+runs, and two plain steps at different fill levels launch the same sequence of operators. A routing step reads
+nothing back either, and the tiers keep their storage across steps and routing events once they are full. (Shapes
+still follow the tiers' fill: attention runs over the live tokens, so a captured graph would not replay across
+fill levels; and the ledgers are replaced while they grow.)"""
 
 from __future__ import annotations
 
