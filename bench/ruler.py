@@ -14,7 +14,6 @@ lane stops once its output holds every answer: later tokens cannot change ``stri
 from __future__ import annotations
 
 import argparse
-import itertools
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,6 +42,12 @@ def cell_key(row: dict) -> tuple:
     return row["method"], row["budget"], row["task"], row["length"], row["sample"]
 
 
+def sweep(lengths: list[int], tasks: list[str], samples: int, shard: int = 0, shards: int = 1) -> list[tuple]:
+    """Shard ``shard`` of ``shards``' (length, task, sample) items: every shard takes every ``shards``-th sample of
+    every task, sample-major, so any prefix of a shard (cut short, or spread over sittings) covers the tasks evenly."""
+    return [(length, task, index) for length in lengths for index in range(shard, samples, shards) for task in tasks]
+
+
 def run(args) -> None:
     out = Path(args.out)
     methods = [m for m in args.methods.split(",") if m.strip()]
@@ -55,8 +60,7 @@ def run(args) -> None:
     lanes = method_lanes(methods, budgets)
     shard, shards = parse_shard(args.shard)
     done = {cell_key(r) for r in read_jsonl(sorted(out.glob("ruler-*.jsonl")))} if out.is_dir() else set()
-    work = itertools.product(lengths, tasks, range(args.samples))
-    items = [item for k, item in enumerate(work) if k % shards == shard]
+    items = sweep(lengths, tasks, args.samples, shard, shards)
     model, tokenizer, meta = setup(args.model, args.device or default_device(), args.threads)
     path = out / f"ruler-shard{shard}of{shards}.jsonl"
     for length, task, sample_idx in tqdm(items, desc=f"ruler shard {shard}/{shards}", unit="sample"):

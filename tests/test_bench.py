@@ -354,3 +354,13 @@ def test_studio_latency_runs_each_example_at_its_own_settings():
     assert set(row["found"]) == {"fullkv", "snapkv", "qevict"}
     assert row["kv_percent"]["qevict"] <= 100 * example.budget + 0.05  # at the example's 40%, not the form's 20%
     assert row["kv_percent"]["qevict"] > 100 * QEvictConfig().budget
+
+
+def test_a_ruler_sweep_cut_short_covers_every_task_and_shards_split_it():
+    from bench.ruler import sweep
+
+    tasks = ["a", "b", "c", "d"]
+    shards = [sweep([2048, 4096], tasks, 5, i, 2) for i in range(2)]
+    assert sorted(shards[0] + shards[1]) == sorted((n, t, s) for n in (2048, 4096) for t in tasks for s in range(5))
+    for i, items in enumerate(shards):  # either shard's first four items: one sample of every task, not four of one
+        assert [(t, s) for _, t, s in items[:4]] == [(t, i) for t in tasks]
