@@ -20,13 +20,13 @@ from bench.ruler_tasks import sized_sample
 from qevict_core import Lane
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-# (folder, task, sample, lanes): 2K samples, each with the lanes its table compares (the last: one where promotion
-# changes the answer)
-CELLS = [("head/ruler", "niah_single_1", 0, ["fullkv", "qevict@0.2", "qevict@0.05", "snapkv@0.2",
+# (folder, task, sample, lanes): a 2K sample of each kind of row a table renders, with lanes it compares (float32
+# rows of README's headline; the promotion experiment's, at a prompt where promotion changes the answer; the
+# 16-bit evaluation's, at one where the default at 5% answers in another form than FullKV)
+CELLS = [("head/ruler", "niah_single_2", 1, ["fullkv", "qevict@0.2", "qevict@0.05", "snapkv@0.2",
                                              "layer_defensivekv@0.2"]),
-         ("head/ruler", "niah_single_2", 1, ["fullkv", "qevict@0.2", "qevict@0.05", "snapkv@0.2",
-                                             "layer_defensivekv@0.2"]),
-         ("promotion/ruler", "niah_single_2", 35, ["fullkv", "qevict@0.4", "qevict+promotion=false@0.4"])]
+         ("promotion/ruler", "niah_single_2", 35, ["fullkv", "qevict@0.4", "qevict+promotion=false@0.4"]),
+         ("eval16/ruler", "niah_single_2", 1, ["fullkv", "qevict@0.05", "qevict@0.2", "snapkv@0.2", "kivi4"])]
 
 
 def stored_rows(folder: str, task: str, sample: int) -> dict:
