@@ -13,7 +13,7 @@ from pathlib import Path
 from statistics import mean
 
 from .common import RESULTS, read_jsonl
-from .stats import paired, paired_cell, shared
+from .stats import paired, paired_cell, pooled
 
 RETRIEVAL_BUDGETS = (0.05, 0.1)
 
@@ -54,10 +54,7 @@ def choose(ruler_rows: list[dict], fidelity_rows: list[dict], reference: str) ->
         kl = {b: kls.get((lane, b)) for b in budgets}
         gate = all(kl[b] is not None and kls.get((reference, b)) is not None and kl[b] <= kls[(reference, b)]
                    for b in budgets)
-        pooled_a, pooled_b = [], []
-        for b in RETRIEVAL_BUDGETS:
-            a, r = shared(by_budget.get(b, {}), cells.get((reference, b), {}))
-            pooled_a, pooled_b = pooled_a + a, pooled_b + r
+        pooled_a, pooled_b = pooled([(by_budget.get(b, {}), cells.get((reference, b), {})) for b in RETRIEVAL_BUDGETS])
         out.append({"lane": lane, "R": retrieval(RETRIEVAL_BUDGETS, by_budget),
                     "R20": retrieval((0.2,), by_budget), "kl": kl, "gate": gate or lane == reference,
                     "vs_reference": paired([100 * x for x in pooled_a], [100 * x for x in pooled_b])

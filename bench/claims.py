@@ -19,7 +19,7 @@ from statistics import mean
 from typing import Callable
 
 from .common import read_jsonl
-from .stats import paired, paired_cell, shared
+from .stats import paired, paired_cell, pooled, shared
 
 # RULER at 32K on Llama-3.1-8B-Instruct, 20% of the KV bytes (the paper's Table 2), the 13 tasks in its order
 PAPER_RULER_32K = {
@@ -100,29 +100,33 @@ def _ruler_gap(other: str, method: str = "qevict_paper", budget: float = 0.2):
     return ours
 
 
-def _on_shared(found: list[dict], a: str, b: str, key: Callable, value: Callable) -> dict:
-    """{cell: (a's value, b's value)} over the cells (``key`` of a row) where both methods have a value."""
-    def cells(method: str) -> dict:
-        return {key(r): value(r) for r in found if r["method"] == method and value(r) is not None}
-    mine, theirs = cells(a), cells(b)
-    return {k: (mine[k], theirs[k]) for k in mine.keys() & theirs.keys()}
+def _by_budget(found: list[dict], method: str, item: Callable, value: Callable) -> dict:
+    """{budget: {item: value}} of ``method``'s rows with a value."""
+    out: dict = {}
+    for r in found:
+        if r["method"] == method and value(r) is not None:
+            out.setdefault(r["budget"], {})[item(r)] = value(r)
+    return out
 
 
 def _without_promotion(rows: Rows) -> tuple[str, str]:
-    """The default minus itself with ``promotion=False``, paired over the prompts (RULER: every length and budget
-    both ran, string_match_all × 100) and the passages (next-token KL) they share; each verdict from its interval."""
-    ruler = _on_shared(rows.ruler, "qevict", "qevict+promotion=false",
-                       lambda r: (r["length"], r["budget"], r["task"], r["sample"], r.get("seed")),
-                       lambda r: None if r.get("score") is None else 100 * r["score"])
-    kl = _on_shared(rows.fidelity, "qevict", "qevict+promotion=false",
-                    lambda r: (r.get("prefill"), r["budget"], r.get("offset")), lambda r: r.get("kl"))
+    """The default minus itself with ``promotion=False``, paired over the prompts (RULER, string_match_all × 100)
+    and the passages (next-token KL) both ran, one pair per prompt or passage (its mean over the budgets: they are
+    not independent samples). Each verdict from its interval."""
+    prompt = (lambda r: (r["length"], r["task"], r["sample"], r.get("seed")),
+              lambda r: None if r.get("score") is None else 100 * r["score"])
+    passage = (lambda r: (r.get("prefill"), r.get("offset")), lambda r: r.get("kl"))
     parts, verdicts = [], []
-    for name, cells, digits, better in (("RULER", ruler, 1, "higher"), ("KL", kl, 4, "lower")):
-        if cells:
-            keys = sorted(cells, key=str)
-            result = paired([cells[k][0] for k in keys], [cells[k][1] for k in keys])
-            budgets = ", ".join(f"{b:.0%}" for b in sorted({k[1] for k in keys}))
-            parts.append(f"{name} at {budgets}: {paired_cell(result, 1, digits, better)}")
+    for name, found, (item, value), digits, better in (("RULER", rows.ruler, prompt, 1, "higher"),
+                                                        ("KL", rows.fidelity, passage, 4, "lower")):
+        mine = _by_budget(found, "qevict", item, value)
+        theirs = _by_budget(found, "qevict+promotion=false", item, value)
+        budgets = sorted(b for b in mine.keys() & theirs.keys() if mine[b].keys() & theirs[b].keys())
+        a, b = pooled([(mine[budget], theirs[budget]) for budget in budgets])
+        if a:
+            result = paired(a, b)
+            parts.append(f"{name}, mean over {', '.join(f'{x:.0%}' for x in budgets)}: "
+                         f"{paired_cell(result, 1, digits, better)}")
             verdicts.append(f"{name} {result.verdict(better)}")
     return ("; ".join(parts), ", ".join(verdicts)) if parts else NO_ROWS
 

@@ -11,7 +11,7 @@ from statistics import mean, stdev
 
 from qevict_core.registry import METHODS
 
-from .stats import MARGINS, paired, paired_cell, shared
+from .stats import MARGINS, paired, paired_cell, pooled, shared
 
 # The paper's baselines that take a budget: the "best baseline" of a budget is the one of these with the best mean.
 BUDGETED_BASELINES = tuple(name for name, spec in METHODS.items() if spec.family == "eviction" and spec.kind == "method")
@@ -90,23 +90,22 @@ def _best(samples: dict, budget, length, exclude: str, higher: bool = True) -> s
 
 
 def ruler_versus(rows: list[dict], a: str, b: str) -> str:
-    """``a`` minus ``b`` at each budget and length, and pooled over the 5% and 10% budgets, string_match_all × 100
-    paired over (task, sample)."""
+    """``a`` minus ``b`` at each budget and length, and over the 5% and 10% budgets (one pair per prompt, its mean
+    over the two), string_match_all × 100 paired over (task, sample)."""
     samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["method"] == a and r["budget"] is not None})
     lines = ["| budget | " + " | ".join(f"{a} − {b} {n // 1024}K" for n in lengths) + " |",
              "|" + "---|" * (len(lengths) + 1)]
-    pooled_a, pooled_b = [], []
     for budget in budgets:
         cells = []
         for length in lengths:
-            mine, theirs = samples.get((a, budget, length), {}), samples.get((b, budget, length), {})
-            x, y = shared(mine, theirs)
+            x, y = shared(samples.get((a, budget, length), {}), samples.get((b, budget, length), {}))
             cells.append(paired_cell(paired(x, y), 100, 1, "higher") if x else "—")
-            if budget in (0.05, 0.1):
-                pooled_a, pooled_b = pooled_a + x, pooled_b + y
         lines.append(f"| {budget:.0%} | " + " | ".join(cells) + " |")
+    # one pair per prompt (its mean over the two budgets), every length
+    pooled_a, pooled_b = pooled([tuple({(n, k): v for k, v in samples.get((m, budget, n), {}).items()} for m in (a, b))
+                                 for budget in (0.05, 0.1) for n in lengths])
     if pooled_a:
         lines.append(f"| 5% and 10%, every length | {paired_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
                      + " |" * (len(lengths) - 1))

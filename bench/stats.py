@@ -133,3 +133,16 @@ def shared(by_key_a: dict, by_key_b: dict) -> tuple[list[float], list[float]]:
     """Values of the keys both dicts hold, in one order: the pairs of a paired comparison."""
     keys = sorted(set(by_key_a) & set(by_key_b))
     return [by_key_a[k] for k in keys], [by_key_b[k] for k in keys]
+
+
+def pooled(conditions: list[tuple[dict, dict]]) -> tuple[list[float], list[float]]:
+    """The pairs of one comparison over several conditions of the same items (one prompt at several budgets):
+    each item counts once, at its mean over the conditions where both sides have it, since an item's conditions
+    are not independent samples; (by key a, by key b) per condition."""
+    by_item: dict = {}
+    for by_key_a, by_key_b in conditions:
+        for key in by_key_a.keys() & by_key_b.keys():
+            by_item.setdefault(key, []).append((by_key_a[key], by_key_b[key]))
+    items = sorted(by_item, key=str)
+    return ([sum(a for a, _ in by_item[k]) / len(by_item[k]) for k in items],
+            [sum(b for _, b in by_item[k]) / len(by_item[k]) for k in items])

@@ -218,6 +218,15 @@ def test_what_promotion_buys_is_paired_over_the_same_prompts_and_passages():
                 for m, kl in (("qevict", 0.01), ("qevict+promotion=false", 0.02 + 0.001 * o))]
     assert claim.ours(Rows({}, [], [])) == ("—", "no rows")
     figure, verdict = claim.ours(Rows({}, ruler, [], fidelity))
-    assert figure.startswith("RULER at 40%, 50%: +25.0 [") and "(80; better;" in figure, figure
-    assert "KL at 40%: -0.0145 [" in figure and "(10; better;" in figure, figure
+    # a prompt run at two budgets is one pair (its mean over them), not two
+    assert figure.startswith("RULER, mean over 40%, 50%: +25.0 [") and "(40; better;" in figure, figure
+    assert "KL, mean over 40%: -0.0145 [" in figure and "(10; better;" in figure, figure
     assert verdict == "RULER better, KL better"
+
+
+def test_a_prompt_at_two_budgets_is_one_pair_at_its_mean():
+    from bench.stats import pooled
+
+    five = ({"p": 1.0, "q": 0.0}, {"p": 0.0, "q": 0.0})
+    ten = ({"p": 1.0, "r": 1.0}, {"p": 1.0, "r": 0.0})  # q ran at 5% only, r at 10% only
+    assert pooled([five, ten]) == ([1.0, 0.0, 1.0], [0.5, 0.0, 0.0])  # p, q, r, each once
