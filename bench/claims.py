@@ -19,6 +19,7 @@ from statistics import mean
 from typing import Callable
 
 from .common import read_jsonl
+from .compare import by_sample
 from .stats import paired, paired_cell, pooled, shared
 
 # RULER at 32K on Llama-3.1-8B-Instruct, 20% of the KV bytes (the paper's Table 2), the 13 tasks in its order
@@ -100,15 +101,6 @@ def _ruler_gap(other: str, method: str = "qevict_paper", budget: float = 0.2):
     return ours
 
 
-def _by_budget(found: list[dict], method: str, item: Callable, value: Callable) -> dict:
-    """{budget: {item: value}} of ``method``'s rows with a value."""
-    out: dict = {}
-    for r in found:
-        if r["method"] == method and value(r) is not None:
-            out.setdefault(r["budget"], {})[item(r)] = value(r)
-    return out
-
-
 def _without_promotion(rows: Rows) -> tuple[str, str]:
     """The default minus itself with ``promotion=False``, paired over the prompts (RULER, string_match_all × 100)
     and the passages (next-token KL) both ran, one pair per prompt or passage (its mean over the budgets: they are
@@ -119,10 +111,10 @@ def _without_promotion(rows: Rows) -> tuple[str, str]:
     parts, verdicts = [], []
     for name, found, (item, value), digits, better in (("RULER", rows.ruler, prompt, 1, "higher"),
                                                         ("KL", rows.fidelity, passage, 4, "lower")):
-        mine = _by_budget(found, "qevict", item, value)
-        theirs = _by_budget(found, "qevict+promotion=false", item, value)
-        budgets = sorted(b for b in mine.keys() & theirs.keys() if mine[b].keys() & theirs[b].keys())
-        a, b = pooled([(mine[budget], theirs[budget]) for budget in budgets])
+        cells = by_sample(found, lambda r: (item(r),), value)  # (method, budget) -> {item: value}
+        pairs = {x: (cells[m, x], cells.get(("qevict+promotion=false", x), {})) for m, x in cells if m == "qevict"}
+        budgets = sorted(x for x, (mine, theirs) in pairs.items() if mine.keys() & theirs.keys())
+        a, b = pooled([pairs[x] for x in budgets])
         if a:
             result = paired(a, b)
             parts.append(f"{name}, mean over {', '.join(f'{x:.0%}' for x in budgets)}: "

@@ -17,7 +17,9 @@ from .stats import MARGINS, paired, paired_cell, pooled, shared
 BUDGETED_BASELINES = tuple(name for name, spec in METHODS.items() if spec.family == "eviction" and spec.kind == "method")
 
 
-def _by_sample(rows: list[dict], key, value) -> dict:
+def by_sample(rows: list[dict], key, value) -> dict:
+    """{(method, budget, *key(r)[:-1]): {key(r)[-1]: value(r)}} over the rows with a value: each method's
+    values by the item they pair on (a prompt, a passage), grouped by the rest of ``key``."""
     out = defaultdict(dict)
     for r in rows:
         if value(r) is not None:
@@ -28,7 +30,7 @@ def _by_sample(rows: list[dict], key, value) -> dict:
 def ruler_paired(rows: list[dict]) -> str:
     """Per length: every method at every budget minus FullKV and minus the best budgeted baseline at that budget,
     string_match_all × 100 paired over (task, sample)."""
-    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    samples = by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
     lengths = sorted({r["length"] for r in rows})
     lanes = sorted({(r["method"], r["budget"]) for r in rows if r["method"] != "fullkv"},
                    key=lambda m: (m[1] or 2, m[0]))
@@ -58,7 +60,7 @@ def ruler_paired(rows: list[dict]) -> str:
 def fidelity_paired(rows: list[dict]) -> str:
     """Mean KL(FullKV ‖ method) minus the best budgeted baseline's at the same budget, paired over passages (lower
     is better)."""
-    passages = _by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
+    passages = by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
     lanes = sorted({(m, b) for (m, b) in passages if m != "fullkv"}, key=lambda m: (m[1] or 2, m[0]))
     lines = ["| method | KL − best baseline |", "|---|---|"]
     if not any(m in BUDGETED_BASELINES for m, _ in passages):
@@ -92,7 +94,7 @@ def _best(samples: dict, budget, length, exclude: str, higher: bool = True) -> s
 def ruler_versus(rows: list[dict], a: str, b: str) -> str:
     """``a`` minus ``b`` at each budget and length, and over the 5% and 10% budgets (one pair per prompt, its mean
     over the two), string_match_all × 100 paired over (task, sample)."""
-    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    samples = by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
     lengths = sorted({r["length"] for r in rows})
     budgets = sorted({r["budget"] for r in rows if r["method"] == a and r["budget"] is not None})
     lines = ["| budget | " + " | ".join(f"{a} − {b} {n // 1024}K" for n in lengths) + " |",
@@ -103,9 +105,9 @@ def ruler_versus(rows: list[dict], a: str, b: str) -> str:
             x, y = shared(samples.get((a, budget, length), {}), samples.get((b, budget, length), {}))
             cells.append(paired_cell(paired(x, y), 100, 1, "higher") if x else "—")
         lines.append(f"| {budget:.0%} | " + " | ".join(cells) + " |")
-    # one pair per prompt (its mean over the two budgets), every length
-    pooled_a, pooled_b = pooled([tuple({(n, k): v for k, v in samples.get((m, budget, n), {}).items()} for m in (a, b))
-                                 for budget in (0.05, 0.1) for n in lengths])
+    # one pair per prompt of any length (its mean over the two budgets)
+    prompts = by_sample(rows, lambda r: ((r["length"], r["task"], r["sample"]),), lambda r: r.get("score"))
+    pooled_a, pooled_b = pooled([(prompts.get((a, x), {}), prompts.get((b, x), {})) for x in (0.05, 0.1)])
     if pooled_a:
         lines.append(f"| 5% and 10%, every length | {paired_cell(paired(pooled_a, pooled_b), 100, 1, 'higher')} |"
                      + " |" * (len(lengths) - 1))
@@ -116,7 +118,7 @@ def ruler_headline(rows: list[dict], method: str) -> str:
     """The headline of ``method``: at each budget and length its mean score, and its paired difference with FullKV
     and with the best budgeted baseline there, string_match_all × 100 over (task, sample). Against FullKV, where
     every row of the cell ran after the RULER margin was set, the non-inferiority verdict too (bench.stats)."""
-    samples = _by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
+    samples = by_sample(rows, lambda r: (r["length"], (r["task"], r["sample"])), lambda r: r.get("score"))
     margin = MARGINS["ruler"]
     cell_rows = defaultdict(list)
     for r in rows:
@@ -150,7 +152,7 @@ def ruler_headline(rows: list[dict], method: str) -> str:
 
 def fidelity_versus(rows: list[dict], a: str, b: str) -> str:
     """Mean next-token KL of ``a`` minus ``b`` at each budget, paired over passages (lower is better)."""
-    passages = _by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
+    passages = by_sample(rows, lambda r: (r.get("offset", r.get("passage", 0)),), lambda r: r.get("kl"))
     budgets = sorted({budget for (m, budget) in passages if m == a and budget is not None})
     lines = [f"| budget | KL {a} | KL {b} | {a} − {b} |", "|---|---|---|---|"]
     for budget in budgets:
@@ -164,9 +166,9 @@ def drift_paired(rows: list[dict], only: tuple[str, ...] = ()) -> str:
     """Per lane (of the methods in ``only``, or every method): mean KL over the whole decode and the KL slope per 1K positions, each minus the best budgeted
     baseline's (the one with the lowest mean KL at that budget), paired over passages (lower is better)."""
     key = lambda r: (r["offset"],)  # noqa: E731 - a passage is its sentence offset
-    kl = _by_sample(rows, key, lambda r: r.get("kl"))
-    slope = _by_sample(rows, key, lambda r: r.get("kl_slope_per_1k"))
-    ratio = _by_sample(rows, key, lambda r: r.get("kv_ratio"))
+    kl = by_sample(rows, key, lambda r: r.get("kl"))
+    slope = by_sample(rows, key, lambda r: r.get("kl_slope_per_1k"))
+    ratio = by_sample(rows, key, lambda r: r.get("kv_ratio"))
     lanes = sorted({(m, b) for (m, b) in kl if m != "fullkv" and (not only or m in only)},
                    key=lambda m: (m[1] or 2, m[0]))
     lines = ["| method | KV ratio | passages | mean KL | KL slope per 1K | mean KL − best baseline | slope − best baseline |",
