@@ -3,15 +3,17 @@ TRITON_INTERPRET=1, and the PyTorch path that ``kernels="auto"`` takes on CUDA) 
 dispatch mode that refuses the operators that wait for the device (``nonzero``, ``.item()``/``int()``,
 ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
 runs, and two plain steps at different fill levels launch the same sequence of operators. A routing step reads
-nothing back either, and the tiers keep their storage across steps and routing events once they are full. (Shapes
-still follow the tiers' fill: attention runs over the live tokens, so a captured graph would not replay across
-fill levels; and the ledgers are replaced while they grow.)"""
+nothing back either, and the tiers keep their storage across steps and routing events once they are full. On the
+PyTorch path a plain step is moreover the same call at every fill once the tiers are at their planned sizes: the
+same operators on the same shapes with the same arguments, what a replayed CUDA graph needs (the Triton path's
+full-precision attention still reads the live part; the ledgers are replaced while they grow)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import TENSORS
@@ -62,6 +64,49 @@ def test_a_plain_decode_step_of_the_gpu_path_asks_the_host_nothing(monkeypatch, 
             sequences.append(mode.ops)
     # the first step may build a lookup table once (the torch path's code table); every later one is the same
     assert len(sequences[1]) > 50 and all(ops == sequences[1] for ops in sequences[1:])
+
+
+class RecordCalls(TorchDispatchMode):
+    """Every operator with what a replay would fix: tensor shapes and dtypes, every other argument as given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        self.calls.append((str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                                            for a in flat)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("coverage", [0.7, None])  # the default's sizing (no full tier here) and Eq. 3's split
+def test_a_plain_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
+    """Every plain step of several routing intervals, once the tiers are at their planned sizes, runs the same
+    operators on the same shapes with the same non-tensor arguments: the step writes its token at a slot counted on
+    the device, attends over the whole full-precision buffer (its reserved tail hidden by position) and folds its
+    mass into window ids taken from the device, so a CUDA graph captured once replays it. The positions come in
+    as tensors, as a graph's static inputs do. Tokens as the C kernel's path (test_equivalence) by construction of
+    the masks; here they are the same as the live-part attention's."""
+    model, omega = tiny_model("llama", 2), 8
+    config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
+    cache = make_cache("qevict", model, config, max_length=400)
+    calls = []
+    with torch.inference_mode():
+        token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(5 * omega):
+            position = torch.tensor([cache.get_seq_length()])
+            mode = RecordCalls()
+            with mode:
+                token = call(model, token, cache, logits_to_keep=1, cache_position=position,
+                             position_ids=position[None]).logits[:, -1].argmax(-1, keepdim=True)
+            if not cache.routed():
+                calls.append(mode.calls)
+        layer = cache.layers[0]
+        assert layer.reads_buffer and layer.fp.length < layer.fp.capacity and layer.quant.num_windows > 0
+        assert (coverage is None) == (layer.full_ids.shape[1] > 0)
+    # the first step may build the code table once; every later plain step, over four events, is the same call
+    assert len(calls) >= 4 * (omega - 1) and all(c == calls[1] for c in calls[1:])
 
 
 class CountHostSyncs(TorchDispatchMode):

@@ -24,6 +24,10 @@ class Backend:
     # device), which on the CPU costs nothing and spares work; otherwise it works to bounds the host knows, so a
     # routing step asks the device nothing (what a CUDA graph needs).
     sizes_moves_on_host: ClassVar[bool] = False
+    # A decode step reads each layer's whole full-precision buffer, its fill counted on the device, so every plain
+    # step runs the same operators on the same shapes (what a CUDA graph replays); the C and Triton steps read the
+    # live part.
+    steps_at_fixed_shape: ClassVar[bool] = False
 
     def prepare(self, cache) -> None:
         """Once, when ``cache`` is made: whatever its decode steps share (nothing by default)."""
@@ -40,7 +44,7 @@ class Backend:
 
 
 class TorchBackend(Backend):
-    pass
+    steps_at_fixed_shape = True
 
 
 class CPUBackend(Backend):

@@ -85,18 +85,24 @@ def refuse_padding(visible: torch.Tensor) -> None:
                          "its row's tokens), or generate prompts of equal length together.")
 
 
-def sdpa_with_positions(module, query, key, value, scaling: float, dropout: float = 0.0) -> torch.Tensor:
+def sdpa_with_positions(module, query, key, value, scaling: float, dropout: float = 0.0,
+                        positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """SDPA where the last ``q`` keys are the queries' own tokens and every earlier key is older.
 
     Keys may be in any order before that (attention is order-free once RoPE is applied), so the mask is
     bottom-right causal. Single queries and whole-prompt prefill take SDPA's unmasked and ``is_causal`` paths,
     exactly as transformers' own SDPA attention does (on CUDA, its flash backend: FlashAttention-2).
+    ``positions``: (key positions (B, N), query positions (q,)) where the keys are in no such order (a layer's
+    whole buffer, its reserved tail after the queries): a key is visible where it is not later than the query.
     """
     if key.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32: widened for this call
         key, value = key.to(query.dtype), value.to(query.dtype)
     q_len, k_len = query.shape[2], key.shape[2]
     mask = None
-    if 1 < q_len < k_len:
+    if positions is not None:
+        key_pos, query_pos = positions
+        mask = key_pos[:, None, None, :] <= query_pos[None, None, :, None]  # (B, 1, q, N)
+    elif 1 < q_len < k_len:
         offset = k_len - q_len
         mask = (torch.arange(k_len, device=key.device)[None, :]
                 <= torch.arange(q_len, device=key.device)[:, None] + offset)[None, None]  # (1, 1, q, k)

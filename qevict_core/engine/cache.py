@@ -90,11 +90,13 @@ class QEvictCache(ReportingCache):
         self._rope_table = None  # transient: nothing of it persists to the next step
 
     def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (seen, D): rows of every position seen so far, built by the first layer to need them and
+        """cos, sin (seen or max_length, D): rows of every position seen so far, built by the first layer to need them and
         reused by every other layer of this forward (30 layers used to compute cos/sin of their own quantized
         positions each step)."""
         if self._rope_table is None:
-            self._rope_table = self.rope.table(self._computing(like), self.schedule.seen)
+            # rows of every position a generation reaches where steps keep one shape, else of those seen so far
+            rows = self.max_length if self.backend.steps_at_fixed_shape else self.schedule.seen
+            self._rope_table = self.rope.table(self._computing(like), rows)
         return self._rope_table
 
     def rope_rows(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,10 @@ arrive between two events, so it is taken once per generation after the prompt, 
 place. Before that event the prompt takes what it needs, and a forward of more tokens than that (a continuation
 read at once) grows it until the next event brings it back to the plan's size. The unused part counts as resident
 (``reserved``): it is memory the cache holds.
+
+A buffer that ``counts`` on the device also keeps ``count``, its live tokens as a tensor: a single decode token is
+written at that slot by ``index_copy_`` and attention reads the whole buffer (the reserved tail hidden by position),
+so a plain step runs the same operators on the same shapes at every fill (what a replayed CUDA graph needs).
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import torch
 class FullPrecision:
     """keys, values (B, H, capacity, D): sinks (``sinks`` tokens), then the full tier (``full`` tokens), then the
     recent region, up to ``length``; the rest is reserved room. ``reserve``: the capacity from a routing event on
-    (0: exactly what is live, as when nothing is ever routed)."""
+    (0: exactly what is live, as when nothing is ever routed). ``counts``: keep ``length`` on the device too, and
+    zeros in new room (attention reads the reserved tail, masked, and a masked NaN would still poison its sums)."""
 
-    def __init__(self, like: torch.Tensor, reserve: int):
+    def __init__(self, like: torch.Tensor, reserve: int, counts: bool = False):
         b, h, _, d = like.shape
         self.keys = like.new_empty(b, h, 0, d)
         self.values = like.new_empty(b, h, 0, d)
         self.reserve = reserve
         self.sinks = self.full = self.length = 0
+        self.count = torch.zeros(1, dtype=torch.long, device=like.device) if counts else None
 
     @property
     def capacity(self) -> int:
@@ -45,11 +51,17 @@ class FullPrecision:
         before anything else is kept, so they land right after the sinks)."""
         assert not to_sinks or self.length == self.sinks, "sinks are completed before any other token is kept"
         n = keys.shape[2]
-        self._room(self.length + n)
-        self.keys[:, :, self.length:self.length + n] = keys
-        self.values[:, :, self.length:self.length + n] = values
+        if self.count is not None and n == 1 and self.length < self.capacity:  # at the slot the device counts
+            self.keys.index_copy_(2, self.count, keys.to(self.keys.dtype))
+            self.values.index_copy_(2, self.count, values.to(self.values.dtype))
+        else:
+            self._room(self.length + n)
+            self.keys[:, :, self.length:self.length + n] = keys
+            self.values[:, :, self.length:self.length + n] = values
         self.sinks += to_sinks
         self.length += n
+        if self.count is not None:
+            self.count.add_(n)
 
     def rebuild(self, full_k: torch.Tensor, full_v: torch.Tensor, drop: int) -> None:
         """A routing event: the full tier becomes ``full_k/v`` (B, H, F, D; already copies) and the recent region
@@ -88,6 +100,8 @@ class FullPrecision:
             self.values[:, :, at:at + k.shape[2]] = v
             at += k.shape[2]
         self.full, self.length = full_k.shape[2], length
+        if self.count is not None:
+            self.count.fill_(length)
 
     def _room(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -98,7 +112,8 @@ class FullPrecision:
 
     def _empty(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, _, d = self.keys.shape
-        return self.keys.new_empty(b, h, size, d), self.values.new_empty(b, h, size, d)
+        make = self.keys.new_zeros if self.count is not None else self.keys.new_empty
+        return make(b, h, size, d), make(b, h, size, d, dtype=self.values.dtype)
 
     def nbytes_by_part(self) -> dict[str, int]:
         per_token = (self.keys.nbytes + self.values.nbytes) // max(self.capacity, 1)

@@ -35,6 +35,9 @@ from .attention import sdpa_with_positions
 
 class QEvictLayer(ReportingLayer):
     head: int | None = None  # the KV head this layer holds alone (head_cache.py); None: every head of the layer
+    # A decode step reads the whole full-precision buffer, positions from device counters, where the backend asks
+    # for steps of one shape (``Backend.steps_at_fixed_shape``); False where a layer's buffer follows its fill.
+    steps_at_fixed_shape = True
     # A move writes the new low-bit tier, dormant ledger and ids into the old ones' storage when their sizes hold
     # (False where they are views of storage shared with other heads, head_move.py).
     rewrites_in_place = True
@@ -44,7 +47,11 @@ class QEvictLayer(ReportingLayer):
         b, h, _, d = key_states.shape
         if b != owner.shape.batch:
             raise ValueError(f"cache was made for batch size {owner.shape.batch}, got {b}")
-        self.fp = FullPrecision(key_states, self.fp_reserve())
+        fixed = self.steps_at_fixed_shape and owner.backend.steps_at_fixed_shape and not owner.plan.uncompressed
+        self.fp = FullPrecision(key_states, self.fp_reserve(), counts=fixed)
+        # Position of buffer slot j, were it recent: recent_origin + j (a device copy of what recent_start says)
+        self.recent_origin = torch.zeros(1, dtype=torch.long, device=key_states.device) if fixed else None
+        self.reads_buffer = False  # the last ``append`` returned the whole buffer, not its live part
         self.full_ids = torch.zeros(b, 0, dtype=torch.int32, device=key_states.device)
         def ledger() -> WindowLedger:
             return WindowLedger.empty(b, h, d, owner.config.omega, owner.config.bits,
@@ -70,7 +77,9 @@ class QEvictLayer(ReportingLayer):
         if self.stage is not None:  # the prompt's last chunk: routed as if the prompt were read whole
             self.stage.release(self)
             self.stage = None
-        keys, values = self.fp.live()  # [sinks | full | recent]: views, no copy
+        self.reads_buffer = self.recent_origin is not None and key_states.shape[2] == 1
+        # the whole buffer (one shape at every fill) or [sinks | full | recent]: views, no copy
+        keys, values = (self.fp.keys, self.fp.values) if self.reads_buffer else self.fp.live()
         if self.quant.num_windows and not self.owner.backend.reads_tier_in_place:
             return self.with_quantized([keys], [values])
         return keys, values
@@ -101,6 +110,7 @@ class QEvictLayer(ReportingLayer):
         self.fp.rebuild(full_k, full_v, num_aged * self.grid.omega)
         self.full_ids = _overwrite(self.full_ids, full_ids) if self.rewrites_in_place else full_ids
         self.recent_start += num_aged * self.grid.omega
+        self._recent_moved()
 
     def keep_records(self, quant: WindowLedger, dormant: WindowLedger | None, dormant_valid: torch.Tensor) -> None:
         """The low-bit tier and the dormant ledger after a move: written into the storage they had when they keep
@@ -120,11 +130,18 @@ class QEvictLayer(ReportingLayer):
         """The recent region's first ``tokens`` leave it (a prompt stage took them)."""
         self.fp.drop_recent(tokens)
         self.recent_start += tokens
+        self._recent_moved()
 
     def restore_recent(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
         """The recent region becomes ``keys/values``: ``tokens`` restored in front of what it held."""
         self.fp.set_recent(keys, values)
         self.recent_start -= tokens
+        self._recent_moved()
+
+    def _recent_moved(self) -> None:
+        """The recent region starts at another position or slot: its device origin follows (an event's write)."""
+        if self.recent_origin is not None:
+            self.recent_origin.fill_(self.recent_start - self.grid.sinks - self.fp.full)
 
     def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):
@@ -156,7 +173,7 @@ class QEvictLayer(ReportingLayer):
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
             return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
         scored = self.owner.scorer.needs_attention
-        query_pos = torch.arange(self.seen - query.shape[2], self.seen, device=query.device)
+        query_pos = self._query_positions(query.shape[2], query.device)
         window = self.owner.config.prefill_window
         if self.stage is not None:  # a chunk of the prompt before its last: no observation window in it yet
             out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
@@ -174,6 +191,12 @@ class QEvictLayer(ReportingLayer):
             # A decode step: one attention pass gives the output and every key's mass.
             out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
             self._fold(mass, query.shape[1])
+        elif self.reads_buffer:  # the whole buffer, unscored (or with dropout): its reserved tail hidden by position
+            positions = self.attended_positions()
+            out = sdpa_with_positions(module, query, key, value, scaling, dropout,
+                                      (positions, query_pos)) if output else None
+            if scored:
+                self._fold(kv_head_mass(query, query_pos, key, positions, scaling), query.shape[1])
         else:
             out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
@@ -229,11 +252,18 @@ class QEvictLayer(ReportingLayer):
 
     def _fold_ids(self, num: int) -> torch.Tensor:
         """(B, num) window ids of [quantized | full | recent], rebuilt each step: kept between steps they would be
-        bytes outside the budget."""
-        first_recent = self.grid.window_of(self.recent_start)
+        bytes outside the budget. Over the whole buffer the first recent window comes from the device origin and
+        the reserved tail's windows (zero mass) are clamped into the table."""
         n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
-        recent = torch.arange(first_recent, first_recent + n_recent, device=self.full_ids.device, dtype=torch.int32)
-        return torch.cat([self.quant.ids, self.full_ids, recent.expand(self.full_ids.shape[0], -1)], dim=1).long()
+        device = self.full_ids.device
+        if self.reads_buffer:
+            first = torch.div(self.recent_origin + self.fp.full, self.grid.omega, rounding_mode="floor")
+            recent = (first + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
+        else:
+            first_recent = self.grid.window_of(self.recent_start)
+            recent = torch.arange(first_recent, first_recent + n_recent, device=device)
+        parts = [self.quant.ids.long(), self.full_ids.long(), recent.expand(self.full_ids.shape[0], -1)]
+        return torch.cat(parts, dim=1)
 
     def attended_positions(self) -> torch.Tensor:
         """(B, N) absolute positions of the keys in the order [quantized | sinks | full | recent]."""
@@ -241,13 +271,24 @@ class QEvictLayer(ReportingLayer):
         return torch.cat(parts + [self.fp_positions()], dim=1)
 
     def fp_positions(self) -> torch.Tensor:
-        """(B, N) absolute positions of the full-precision keys [sinks | full | recent]."""
+        """(B, N) absolute positions of the full-precision keys [sinks | full | recent] that ``append`` returned;
+        over the whole buffer, the reserved tail's lie after the newest token, so causality hides them."""
         b, device = self.full_ids.shape[0], self.full_ids.device
         parts = [torch.arange(self.sink_k.shape[2], device=device).expand(b, -1)]
         parts.append(self.grid.positions(self.full_ids))
-        n_recent = self.recent_k.shape[2]
-        parts.append(torch.arange(self.recent_start, self.recent_start + n_recent, device=device).expand(b, -1))
+        if self.reads_buffer:
+            recent = self.recent_origin + torch.arange(self.fp.sinks + self.fp.full, self.fp.capacity,
+                                                             device=device)
+        else:
+            recent = torch.arange(self.recent_start, self.recent_start + self.recent_k.shape[2], device=device)
+        parts.append(recent.expand(b, -1))
         return torch.cat(parts, dim=1)
+
+    def _query_positions(self, num: int, device: torch.device) -> torch.Tensor:
+        """(num,) positions of this forward's tokens: from the device counters over the whole buffer."""
+        if self.reads_buffer:
+            return self.recent_origin + self.fp.count - num + torch.arange(num, device=device)
+        return torch.arange(self.seen - num, self.seen, device=device)
 
     def capacities(self) -> tuple[int, int]:
         """(K_f, K_q) of this layer at its next routing event."""
@@ -290,11 +331,15 @@ class QEvictLayer(ReportingLayer):
             **self.fp.nbytes_by_part(),
             "quantized": quant["quantized"],
             "quant_meta": quant["quant_meta"],
-            "index": quant["index"] + self.full_ids.nbytes,
+            "index": quant["index"] + self.full_ids.nbytes + self.counter_bytes(),
             "ledger": dormant + self.dormant_valid.nbytes,
             "scores": self.scores.nbytes + (self.interval.nbytes if self.interval is not None else 0),
             "staged": self.stage.nbytes() if self.stage is not None else 0,
         }
+
+    def counter_bytes(self) -> int:
+        """The device counters of steps at one shape (the fill, the recent origin): bookkeeping, counted as index."""
+        return 0 if self.recent_origin is None else self.recent_origin.nbytes + self.fp.count.nbytes
 
     def tier_counts(self) -> dict[str, int]:
         if not self.is_initialized:

@@ -41,7 +41,8 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
     if not tier_in_keys and n_quant:
         keys, values, quant_starts = _promoted_first(layer, keys, values, decision, n_quant)
     # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
-    fp_start = keys.shape[2] - layer.full_k.shape[2] - layer.recent_k.shape[2]  # past [quant | sinks]
+    fp_tokens = layer.fp.capacity if layer.reads_buffer else layer.fp.length  # what ``keys`` ends with
+    fp_start = keys.shape[2] - fp_tokens + layer.fp.sinks  # past [quant | sinks]
     starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
                         fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
 
