@@ -7,6 +7,8 @@ measured in the same process.
     python -m bench.speed --methods fullkv,qevict,qevict@torch --contexts 4096   # a method on a chosen path
     python -m bench.speed --methods fullkv,qevict --contexts 4096 --mmap-threshold 131072   # allocator setting
     python -m bench.speed --methods fullkv,fullkv/512,qevict/512 --contexts 4096   # prompts read in chunks
+    python -m bench.speed --device cuda --model random:llama-8b --methods fullkv_static,qevict@torch \
+        --baseline fullkv_static --graphs --contexts 8192 --batch 8   # plain steps replayed from CUDA graphs
 
 ``method@path`` runs a method with ``QEvictConfig(kernels=path)`` (auto, triton, cpu, torch); a bare name runs
 ``auto``, which is what users get (on CPU: the C kernel when a compiler builds it). ``method/N`` reads the prompt
@@ -19,7 +21,9 @@ prefill + first token; TPOT = (t_end - t_first) / (N - 1); throughput = batch * 
 routing steps are reported apart (medians), and the routing overhead = (routing step - plain step) / Ω as a share
 of the plain step. ``--baseline fullkv_static`` takes ratios against FullKV preallocated and written in place (the
 fair GPU baseline: the growing FullKV copies its cache every step); ``--prefill-chunk N`` reads every prompt that
-can be in chunks of N, so that peak memory compares the caches, not the prefill. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
+can be in chunks of N, so that peak memory compares the caches, not the prefill. ``--graphs`` (a GPU) replays
+every plain decode step from a captured CUDA graph (``qevict_core.generation.graphs``) for every method, which must
+all be able to (``fullkv_static``, the QEvict family on ``@torch``); a method that cannot is skipped, saying why. Peak memory: on a GPU ``torch.cuda.max_memory_allocated``; on CPU each run happens in a fresh
 process (an allocator that has seen an earlier run would hide its peak) and reports the resident set size above
 its level after loading the model and warming up, from the kernel's high-water mark (``PeakRSS``). KV bytes are
 the cache's measured bytes (``memory_report``): every persistent tensor, and the prefill peak. This machine is shared and noisy: pin threads.
@@ -48,6 +52,7 @@ import torch
 from tqdm import tqdm
 
 from qevict_core.backends import choose
+from qevict_core.generation.graphs import GraphedSteps
 from qevict_core.generation.model_call import call
 from qevict_core.generation.prefill import prefill
 
@@ -137,7 +142,7 @@ def release_free_memory() -> None:
 
 
 def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_tokens: int,
-            chunk: int | None = None) -> dict:
+            chunk: int | None = None, graphs: bool = False) -> dict:
     device = prompt.device
     variant = Variant.parse(method)
     chunk = variant.chunk or (chunk if variant.chunk is None and chunk and chunkable(variant) else None)
@@ -147,6 +152,7 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
         torch.cuda.reset_peak_memory_stats(device)
     else:
         release_free_memory()
+    stepper = GraphedSteps(model, cache) if graphs else None
     clock = StepClock(device)
     routed: list[bool] = []
     with PeakRSS() as rss, torch.inference_mode():
@@ -154,7 +160,8 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
         token = prefill(model, prompt, cache, chunk).argmax(-1, keepdim=True)
         clock.mark()
         for _ in range(new_tokens - 1):
-            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            logits = stepper(token) if stepper else call(model, token, cache, logits_to_keep=1).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
             clock.mark()
             routed.append(cache.routed())
         seconds = clock.seconds()  # one wait for the device, after the run: no host sync between steps
@@ -165,7 +172,7 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
             "throughput": prompt.shape[0] * new_tokens / (prefill_s + decode_s),
             "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak,
             "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"],
-            **routing_overhead(steps)}
+            **({"replayed_steps": stepper.replays} if stepper else {}), **routing_overhead(steps)}
 
 
 def chunkable(variant: Variant) -> bool:
@@ -216,7 +223,7 @@ def measure(args, model, tokenizer, device, method: str, budget: float | None, c
     """One timed run; on CPU in a fresh process so that its peak memory is its own."""
     if device.type == "cuda":
         return warm_then_run(model, tokenizer, method, budget, context, args.batch, args.new_tokens,
-                             args.prefill_chunk)
+                             args.prefill_chunk, args.graphs)
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_isolated_run, args.model, args.threads, method, budget, context, args.batch,
                            args.new_tokens, args.prefill_chunk).result()
@@ -227,12 +234,12 @@ def _isolated_run(model_name, threads, method, budget, context, batch, new_token
     return warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens, chunk)
 
 
-def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens, chunk=None) -> dict:
+def warm_then_run(model, tokenizer, method, budget, context, batch, new_tokens, chunk=None, graphs=False) -> dict:
     """A warm-up at the timed shape (the same prompt, with a routing event or two), then the timed run: on a GPU
     the warm-up compiles every kernel the timed steps launch, at the sizes they launch them."""
     prompt = prompt_ids(tokenizer, model, context, batch, next(model.parameters()).device)
-    one_run(model, method, budget, prompt, min(new_tokens, 20), chunk)
-    return one_run(model, method, budget, prompt, new_tokens, chunk)
+    one_run(model, method, budget, prompt, min(new_tokens, 20), chunk, graphs)
+    return one_run(model, method, budget, prompt, new_tokens, chunk, graphs)
 
 
 def prompt_ids(tokenizer, model, length: int, batch: int, device) -> torch.Tensor:
@@ -261,6 +268,8 @@ def main(argv=None) -> None:
                         help="the method ratios are taken against (fullkv_static: FullKV preallocated, for GPUs)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="every method that can reads the prompt in chunks of this many tokens (a fair peak)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="replay plain decode steps from CUDA graphs (a GPU; methods that cannot are skipped)")
     parser.add_argument("--out", default=str(RESULTS / "speed"))
     parser.add_argument("--mmap-threshold", type=int, default=None,
                         help="start each CPU run with MALLOC_MMAP_THRESHOLD_ set to this many bytes (glibc)")
@@ -268,6 +277,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, tokenizer, meta = load(args.model, args.device or default_device(), args.threads)
     device = next(model.parameters()).device
+    if args.graphs and device.type != "cuda":
+        raise ValueError(f"--graphs replays CUDA graphs: it needs --device cuda (this run is on {device.type})")
     meta["auto_path"] = choose("auto", device, next(model.parameters()).dtype).name  # what a bare "qevict" runs
     if args.mmap_threshold is not None:
         if device.type != "cpu":
@@ -302,6 +313,7 @@ def main(argv=None) -> None:
             rows.append({"method": method, "budget": budget_of[method],
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
                          "repeats": args.repeats, "baseline": args.baseline, "prefill_chunk": args.prefill_chunk,
+                         "graphs": args.graphs,
                          **res, **ratios, **meta})
         write_rows(Path(args.out), args, meta, rows)  # after each context: a run cut short keeps what it measured
 
@@ -318,6 +330,7 @@ def speed_table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']} on {meta['gpu'] or meta['cpu']} ({meta['device']}, {meta['threads']} threads), "
              f"{meta['date']}, commit {meta['commit']}. Medians; ratios against FullKV in the same process. "
              f"QEvict's path for its low-bit tier when not named: {meta.get('auto_path', 'torch')}."
+             + (" Plain decode steps replayed from CUDA graphs." if rows and rows[0].get("graphs") else "")
              + (f" glibc MALLOC_MMAP_THRESHOLD_={meta['mmap_threshold']} in every run."
                 if meta.get("mmap_threshold") is not None else ""), "",
              "| context | method | TTFT s | TPOT ms | tok/s | peak mem MiB | KV MiB | TTFT × | TPOT × | tok/s × | "

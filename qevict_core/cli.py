@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="read the prompt in chunks of this many tokens (bounds prefill memory; fullkv and the "
                           "QEvict family except qevict_head)")
+    gen.add_argument("--graphs", action="store_true",
+                     help="on CUDA, replay plain decode steps from a captured graph (fullkv_static, or a QEvict "
+                          "method with --kernels torch)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
@@ -128,6 +131,7 @@ def run_generate(args, config: QEvictConfig, text: str) -> dict:
     from .events import DoneEvent, TokenEvent
     from .factory import BudgetRaised, make_cache
     from .generation.generate import Lane, Sampling, generate_lanes
+    from .generation.graphs import require_graphs
     from .models import ModelNotFoundError, load_model
 
     logging.set_verbosity_error()  # progress bars and load warnings would interleave with streamed text
@@ -142,13 +146,15 @@ def run_generate(args, config: QEvictConfig, text: str) -> dict:
     try:
         cache = make_cache(args.method, model, config, max_length=input_ids.shape[1] + args.max_new_tokens,
                            strict=args.strict_budget)
+        if args.graphs:
+            require_graphs(model, cache)
     except ValueError as err:
         raise UsageError(str(err)) from None
     show_bar = args.progress if args.progress is not None else args.json and sys.stderr.isatty()
     bar = _progress(args.max_new_tokens, show_bar)
     done = None
     for event in generate_lanes(model, tokenizer, input_ids, [Lane(args.method, cache)], sampling,
-                                prefill_chunk=args.prefill_chunk):
+                                prefill_chunk=args.prefill_chunk, graphs=args.graphs):
         if isinstance(event, TokenEvent):
             bar.update(1)
             if not args.json:

@@ -87,6 +87,15 @@ def test_cli_runs_a_short_prompt_at_the_least_budget_and_says_so():
     assert "cannot hold the protected regions" in done.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_cli_graphs_without_a_gpu_is_one_line():
+    done = subprocess.run([sys.executable, "-m", "qevict_core", "generate", "--prompt", "Hi", "--graphs",
+                           "--max-new-tokens", "2"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "decode steps replay from CUDA graphs: the model is on cpu, not a GPU" in done.stderr
+
+
 def test_a_prompt_read_in_chunks_is_routed_as_if_read_whole_on_smollm2(smollm2):
     """The INT8 stage (prompt_stage.py) on the real model: the same full tier in nearly every layer, the same tokens."""
     from qevict_core.generation.prefill import prefill

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..engine.budget import KVShape
-from ..engine.cache_base import ReportingCache, ReportingLayer
+from ..engine.attention import sdpa_with_positions
+from ..engine.cache_base import ReportingCache, ReportingLayer, tensor_key
 from ..config import QEvictConfig
 
 
@@ -45,25 +46,56 @@ class FullKVCache(ReportingCache):
 
 
 class StaticFullKVLayer(FullKVLayer):
-    """Keys and values in buffers for ``max_length`` tokens; attention reads the first ``seen`` of them (a view)."""
+    steps_at_fixed_shape = True
+
+    """Keys and values in buffers for ``max_length`` tokens, as transformers' StaticCache keeps them. A decode token
+    is written at the slot ``count`` (on the device) says and attention reads the whole buffer, the slots not yet
+    written hidden by position, so every decode step is the same call (what a replayed CUDA graph needs); a prompt
+    reads its first ``seen`` tokens (a view)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         length = self.owner.max_length
-        self.key_buffer = key_states.new_empty(b, h, length, d)
-        self.value_buffer = value_states.new_empty(b, h, length, value_states.shape[-1])
+        # zeros: attention reads the unwritten slots (masked), and a masked NaN would still poison its sums
+        self.key_buffer = key_states.new_zeros(b, h, length, d)
+        self.value_buffer = value_states.new_zeros(b, h, length, value_states.shape[-1])
         self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+        self.count = torch.zeros(1, dtype=torch.long, device=key_states.device)
+        self.whole = False  # the last append returned the whole buffer
         self.is_initialized = True
 
     def append(self, key_states, value_states):
         end = self.seen + key_states.shape[2]
-        self.key_buffer[:, :, self.seen:end] = key_states
-        self.value_buffer[:, :, self.seen:end] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        self.whole = key_states.shape[2] == 1
+        if self.whole:
+            self.key_buffer.index_copy_(2, self.count, key_states)
+            self.value_buffer.index_copy_(2, self.count, value_states)
+            self.keys, self.values = self.key_buffer, self.value_buffer
+        else:
+            self.key_buffer[:, :, self.seen:end] = key_states
+            self.value_buffer[:, :, self.seen:end] = value_states
+            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        self.count.add_(key_states.shape[2])
         return self.keys, self.values
 
+    def attend(self, module, query, key, value, scaling: float, dropout: float, output: bool = True):
+        if not self.whole or not output:
+            return super().attend(module, query, key, value, scaling, dropout, output)
+        slots = torch.arange(key.shape[2], device=key.device).expand(key.shape[0], -1)  # (B, N): slot = position
+        return sdpa_with_positions(module, query, key, value, scaling, dropout, (slots, self.count - 1))
+
     def resident_bytes(self) -> dict[str, int]:
-        return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes} if self.is_initialized else {}
+        if not self.is_initialized:
+            return {}
+        return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes, "index": self.count.nbytes}
+
+    def step_key(self) -> tuple:
+        return tensor_key(self.key_buffer, self.value_buffer, self.count)
+
+    def replayed(self, num_tokens: int) -> None:
+        self.seen += num_tokens  # the graph wrote the token and advanced ``count``
+        self.whole = True
+        self.keys, self.values = self.key_buffer, self.value_buffer
 
 
 class StaticFullKVCache(FullKVCache):

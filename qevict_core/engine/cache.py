@@ -28,10 +28,14 @@ class RoutingSchedule:
 
     def begin_forward(self, num_tokens: int, hold: bool = False) -> None:
         """``hold``: a chunk of the prompt before its last, which never routes (prompt_stage.py)."""
+        self.routing_now = self.routes_at(num_tokens, hold)
         self.seen += num_tokens
-        self.routing_now = not hold and (self.last_route is None or self.seen - self.last_route >= self.omega)
         if self.routing_now:
             self.last_route = self.seen
+
+    def routes_at(self, num_tokens: int, hold: bool = False) -> bool:
+        """Whether a forward of ``num_tokens`` more routes."""
+        return not hold and (self.last_route is None or self.seen + num_tokens - self.last_route >= self.omega)
 
 
 class QEvictCache(ReportingCache):
@@ -85,6 +89,13 @@ class QEvictCache(ReportingCache):
 
     def routed(self) -> bool:
         return self.schedule.routing_now and not self.plan.uncompressed
+
+    def routes_at(self, num_tokens: int) -> bool:
+        return not self.plan.uncompressed and self.schedule.routes_at(num_tokens, hold=self.staging)
+
+    @property
+    def replays_steps(self) -> bool:
+        return super().replays_steps and self.backend.steps_at_fixed_shape and not self.plan.uncompressed
 
     def end_forward(self) -> None:
         self._rope_table = None  # transient: nothing of it persists to the next step

@@ -23,6 +23,7 @@ class ReportingLayer(CacheLayerMixin):
     other layers never see a padded batch (the attention function refuses it)."""
 
     accepts_padding = False
+    steps_at_fixed_shape = False  # every decode step of one token is the same call (a graph can replay it)
 
     def __init__(self, layer_idx: int, owner: ReportingCache):
         super().__init__()
@@ -68,6 +69,15 @@ class ReportingLayer(CacheLayerMixin):
     def returning(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._returned_keys = keys
         return keys, values
+
+    def replayed(self, num_tokens: int) -> None:
+        """The host half of a decode step whose device work a captured graph replayed (``ReportingCache.replayed``):
+        only layers whose every decode step is one call have one."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode step a graph could replay")
+
+    def step_key(self) -> tuple:
+        """What a replayed decode step of this layer depends on (``ReportingCache.replay_key``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode step a graph could replay")
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -133,6 +143,30 @@ class ReportingCache(Cache):
 
     def begin_forward(self, num_tokens: int) -> None:
         """Hook for caches that keep a schedule (all layers see the same step)."""
+
+    # -- decode steps replayed from a captured graph (generation/graphs.py) -------------------------------------
+    @property
+    def replays_steps(self) -> bool:
+        """Whether a decode step of one token is the same call at every fill (same operators, shapes, arguments and
+        addresses while ``replay_key`` holds), so that a captured graph can stand in for it."""
+        return all(layer.steps_at_fixed_shape for layer in self.layers)
+
+    def routes_at(self, num_tokens: int) -> bool:
+        """Whether the next forward of ``num_tokens`` would move tokens between tiers (never, by default)."""
+        return False
+
+    def replay_key(self) -> tuple:
+        """What a captured step depends on beyond its inputs: every layer's persistent tensors (shape, dtype,
+        address) and the sizes that shape the step. A graph replays only while it is unchanged."""
+        return tuple(layer.step_key() for layer in self.layers)
+
+    def replayed(self, num_tokens: int = 1) -> None:
+        """The host half of a decode step whose device work a graph replayed: the counters advance as that step
+        advances them when it runs eagerly (a test compares the two)."""
+        self.step += 1
+        self.begin_forward(num_tokens)
+        for layer in self.layers:
+            layer.replayed(num_tokens)
 
     def require_chunked_prefill(self) -> None:
         """ValueError, saying which methods can, unless this cache reads a prompt in chunks."""
@@ -201,3 +235,8 @@ def _attention_modules(model, num_layers: int) -> list:
         raise ValueError(f"{type(model).__name__}: expected attention modules for layers 0..{num_layers - 1}, "
                          f"found {sorted(found)}")
     return [found[i] for i in range(num_layers)]
+
+
+def tensor_key(*tensors: torch.Tensor | None) -> tuple:
+    """(shape, dtype, address) of each tensor, None for none: what a captured graph reads in place."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, t.data_ptr()) for t in tensors)

@@ -41,6 +41,11 @@ class FullPrecision:
         """[sinks | full | recent] as views (what attention reads)."""
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
+    def replayed(self, n: int) -> None:
+        """The host half of appending ``n`` decode tokens whose writes a captured graph replayed (it advanced
+        ``count``); such a step completes no sinks."""
+        self.length += n
+
     def part(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         start, stop = {"sink": (0, self.sinks), "full": (self.sinks, self.sinks + self.full),
                        "recent": (self.sinks + self.full, self.length)}[name]

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 
 from .assemble import assemble
-from .cache_base import ReportingLayer
+from .cache_base import ReportingLayer, tensor_key
 from ..events import RoutingEvent
 from .layout import WindowGrid
 from .fp_region import FullPrecision
 from .row_move import move_rows
-from .ledger import WindowLedger
+from .ledger import TENSORS, WindowLedger
 from .key_mass import attend_with_mass, kv_head_mass
 from .prompt_stage import PromptStage
 from .attention import sdpa_with_positions
@@ -137,6 +137,17 @@ class QEvictLayer(ReportingLayer):
         self.fp.set_recent(keys, values)
         self.recent_start -= tokens
         self._recent_moved()
+
+    def step_key(self) -> tuple:
+        ledgers = [self.quant] + ([self.dormant] if self.dormant is not None else [])
+        tensors = [self.fp.keys, self.fp.values, self.fp.count, self.recent_origin, self.full_ids,
+                   self.dormant_valid, self.scores, self.interval]
+        return (self.fp.sinks, self.fp.full, self.reads_buffer,
+                *tensor_key(*tensors, *(getattr(ledger, name) for ledger in ledgers for name in TENSORS)))
+
+    def replayed(self, num_tokens: int) -> None:
+        self.fp.replayed(num_tokens)
+        self.seen += num_tokens
 
     def _recent_moved(self) -> None:
         """The recent region starts at another position or slot: its device origin follows (an event's write)."""

@@ -17,6 +17,7 @@ import torch
 
 from ..engine.cache_base import ReportingCache
 from ..events import DoneEvent, MemoryEvent, TokenEvent
+from .graphs import GraphedSteps
 from .prefill import check_chunk, prefill
 from .lanes_forward import forward_lanes
 
@@ -71,7 +72,7 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane], sampling: Sampling,
                    should_stop: Callable[[], bool] | None = None, together: bool = True,
-                   prefill_chunk: int | None = None) -> Iterator:
+                   prefill_chunk: int | None = None, graphs: bool = False) -> Iterator:
     """Yield events while every lane decodes ``input_ids`` (1, T). Lanes must have fresh caches. Each lane's
     ``DoneEvent`` comes as soon as it ends (end of text, length, an error), the stopped lanes' once Stop is seen.
 
@@ -81,6 +82,9 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
 
     ``prefill_chunk``: read the prompt in chunks of that many tokens (prefill.py), each lane alone: a staged
     cache's chunks attend to its own staged prompt, which no other lane's forward could stand in for.
+
+    ``graphs``: on CUDA, each lane decodes alone and replays its plain steps from a captured graph (graphs.py);
+    a ValueError before any step if the model is elsewhere or a lane's cache cannot replay its steps.
     """
     stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
     device = next(model.parameters()).device
@@ -93,6 +97,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
         if sampling.temperature > 0:
             lane.generator = torch.Generator().manual_seed(sampling.seed)
         check_chunk(lane.cache, prefill_chunk)
+    steppers = {id(lane): GraphedSteps(model, lane.cache) for lane in lanes} if graphs else {}
 
     for step in range(sampling.max_new_tokens):
         active = [lane for lane in lanes if not lane.done]
@@ -100,7 +105,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
             for lane in active:
                 lane.done = "stopped"
             break
-        separate = not together or (step == 0 and prefill_chunk is not None)
+        separate = not together or graphs or (step == 0 and prefill_chunk is not None)
         for group in [[lane] for lane in active] if separate else [active]:
             feed = input_ids if step == 0 else torch.tensor([[lane.tokens[-1]] for lane in group], device=device)
             try:
@@ -108,6 +113,8 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
                 started = time.perf_counter()
                 if step == 0 and prefill_chunk is not None:
                     logits = prefill(model, feed, group[0].cache, prefill_chunk)
+                elif step > 0 and graphs:
+                    logits = steppers[id(group[0])](feed)
                 else:
                     logits = forward_lanes(model, feed, [lane.cache for lane in group])
                 seconds = time.perf_counter() - started

@@ -1,0 +1,151 @@
+"""Decode steps replayed from a captured graph (qevict_core/generation/graphs.py), checked without a GPU.
+
+``RecordedGraph`` stands in for ``torch.cuda.CUDAGraph`` with its semantics: capture records every operator with
+the very tensors it read and wrote; replay runs the recorded operators again, no Python of the step, writing each
+result into the tensor the capture produced (a graph's fixed addresses), so a value the step took from the host at
+capture stays what it was then. Generation through it must give the eager tokens, moves and bytes; a step that
+read a host counter it should have read from the device would replay a stale value and differ.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from qevict_core import QEvictConfig, make_cache
+from qevict_core.generation.graphs import GraphedSteps
+from qevict_core.generation.model_call import call
+from tests.conftest import random_prompt, tiny_model
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+class RecordedGraph:
+    def __init__(self):
+        self.ops: list = []
+        self.captured = False
+
+    @contextmanager
+    def capture(self):
+        with _Recorder(self.ops):
+            yield
+
+    def replay(self) -> None:
+        if not self.captured:  # a CPU cannot defer the captured work: it ran during the capture
+            self.captured = True
+            return
+        for func, args, kwargs, out in self.ops:
+            fresh = func(*args, **kwargs)
+            for old, new in zip(tree_flatten(out)[0], tree_flatten(fresh)[0]):
+                if isinstance(old, torch.Tensor) and old.data_ptr() != new.data_ptr():
+                    old.copy_(new)  # an out-of-place result, into the address the capture gave it
+
+
+def _generate(model, cache, prompt: torch.Tensor, steps: int, graph_class=None):
+    """Greedy tokens, memory reports and summary of ``steps`` decode steps, eager or (``graph_class``) replayed."""
+    runner = GraphedSteps(model, cache, graph_class=graph_class) if graph_class else None
+    tokens, reports = [], []
+    prompt = prompt.to(next(model.parameters()).device)
+    with torch.inference_mode():
+        token = call(model, prompt, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            tokens.append(token[0, 0].item())
+            if runner is not None:
+                logits = runner(token)
+            else:
+                position = torch.tensor([cache.get_seq_length()], device=prompt.device)
+                logits = call(model, token, cache, logits_to_keep=1, cache_position=position,
+                              position_ids=position[None]).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            report = cache.memory_report()
+            reports.append((report["total_bytes"], report["components"], report["seen"]))
+    return tokens, reports, cache.summary(), runner
+
+
+CASES = [("qevict", 0.7), ("qevict", None), ("fullkv_static", None)]  # the default's sizing, Eq. 3's, FullKV
+
+
+def _compare(method: str, coverage, device: str, graph_class) -> None:
+    model, omega = tiny_model("llama", 2).to(device), 8
+    config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
+    prompt, steps = random_prompt(300), 6 * omega
+    eager = _generate(model, make_cache(method, model, config, max_length=400), prompt, steps)
+    graphed = _generate(model, make_cache(method, model, config, max_length=400), prompt, steps, graph_class)
+    assert graphed[:3] == eager[:3]
+    # most plain steps replay: each event's step and the first plain step after a change of the tiers run eagerly
+    assert graphed[3].replays >= steps // 2
+
+
+@pytest.mark.parametrize("method, coverage", CASES)
+def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, coverage):
+    _compare(method, coverage, "cpu", RecordedGraph)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (RecordedGraph stands in above)")
+@pytest.mark.parametrize("method, coverage", CASES)
+def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage):
+    _compare(method, coverage, "cuda", torch.cuda.CUDAGraph)
+
+
+def _host_state(cache) -> dict:
+    """Every host-side number of the cache, its schedule, its layers and their buffers."""
+    state = {}
+    objects = {"cache": cache, "schedule": getattr(cache, "schedule", None)}
+    for i, layer in enumerate(cache.layers):
+        objects[f"layer{i}"], objects[f"fp{i}"] = layer, getattr(layer, "fp", None)
+    for name, obj in objects.items():
+        for attr, value in vars(obj or object()).items() if obj is not None else ():
+            if isinstance(value, (bool, int, float, str)) or value is None:
+                state[f"{name}.{attr}"] = value
+    return state
+
+
+@pytest.mark.parametrize("method", ["qevict", "fullkv_static"])
+def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method):
+    model = tiny_model("llama", 2)
+    config = QEvictConfig(budget=0.3, kernels="torch", omega=8, coverage=None)
+    twins = [make_cache(method, model, config, max_length=400) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in twins:
+            token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(3):
+                call(model, token, cache, logits_to_keep=1)
+        assert not twins[0].routes_at(1) and twins[0].replays_steps
+        before = _host_state(twins[0])
+        call(model, token, twins[0], logits_to_keep=1)
+        twins[1].replayed(1)
+    after = _host_state(twins[0])
+    assert after != before and after == _host_state(twins[1])
+
+
+@pytest.mark.parametrize("method, config", [("fullkv", QEvictConfig()), ("qevict", QEvictConfig(kernels="cpu")),
+                                            ("snapkv", QEvictConfig(budget=0.3))])
+def test_a_cache_whose_steps_follow_its_fill_is_refused(method, config):
+    model = tiny_model("llama", 2)
+    with pytest.raises(ValueError, match="cannot replay its decode steps.*fullkv_static or a QEvict method"):
+        GraphedSteps(model, make_cache(method, model, config, max_length=400), graph_class=RecordedGraph)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_cuda_graphs_without_a_gpu_are_refused_before_any_step():
+    from qevict_core.generation.generate import Lane, Sampling, generate_lanes
+
+    model = tiny_model("llama", 2)
+    cache = make_cache("fullkv_static", model, QEvictConfig(), max_length=400)
+    with pytest.raises(ValueError, match="replay from CUDA graphs: the model is on cpu"):
+        next(generate_lanes(model, None, random_prompt(300), [Lane("a", cache)], Sampling(stop_at_eos=False),
+                            graphs=True))
+    assert cache.get_seq_length() == 0
