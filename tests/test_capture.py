@@ -4,9 +4,9 @@ dispatch mode that refuses the operators that wait for the device (``nonzero``, 
 ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
 runs, and two plain steps at different fill levels launch the same sequence of operators. A routing step reads
 nothing back either, and the tiers keep their storage across steps and routing events once they are full. On the
-PyTorch path a plain step is moreover the same call at every fill once the tiers are at their planned sizes: the
-same operators on the same shapes with the same arguments, what a replayed CUDA graph needs (the Triton path's
-full-precision attention still reads the live part; the ledgers are replaced while they grow)."""
+PyTorch path a plain step, and a routing step, is moreover the same call at every fill once the tiers are at their
+planned sizes: the same operators on the same shapes with the same arguments, what a replayed CUDA graph needs (the
+Triton path's full-precision attention still reads the live part; the ledgers are replaced while they grow)."""
 
 from __future__ import annotations
 
@@ -81,17 +81,17 @@ class RecordCalls(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("coverage", [0.7, None])  # the default's sizing (no full tier here) and Eq. 3's split
-def test_a_plain_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
+def test_a_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
     """Every plain step of several routing intervals, once the tiers are at their planned sizes, runs the same
     operators on the same shapes with the same non-tensor arguments: the step writes its token at a slot counted on
     the device, attends over the whole full-precision buffer (its reserved tail hidden by position) and folds its
-    mass into window ids taken from the device, so a CUDA graph captured once replays it. The positions come in
-    as tensors, as a graph's static inputs do. Tokens as the C kernel's path (test_equivalence) by construction of
-    the masks; here they are the same as the live-part attention's."""
+    mass into window ids taken from the device, so a CUDA graph captured once replays it. So does every routing
+    step: the aged windows and the recent region's origin come from the device too. The positions come in as
+    tensors, as a graph's static inputs do (tests/test_graphs.py replays them)."""
     model, omega = tiny_model("llama", 2), 8
     config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
     cache = make_cache("qevict", model, config, max_length=400)
-    calls = []
+    calls, routing = [], []
     with torch.inference_mode():
         token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(5 * omega):
@@ -100,13 +100,13 @@ def test_a_plain_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
             with mode:
                 token = call(model, token, cache, logits_to_keep=1, cache_position=position,
                              position_ids=position[None]).logits[:, -1].argmax(-1, keepdim=True)
-            if not cache.routed():
-                calls.append(mode.calls)
+            (routing if cache.routed() else calls).append(mode.calls)
         layer = cache.layers[0]
         assert layer.reads_buffer and layer.fp.length < layer.fp.capacity and layer.quant.num_windows > 0
         assert (coverage is None) == (layer.full_ids.shape[1] > 0)
     # the first step may build the code table once; every later plain step, over four events, is the same call
     assert len(calls) >= 4 * (omega - 1) and all(c == calls[1] for c in calls[1:])
+    assert len(routing) >= 4 and all(c == routing[0] for c in routing)
 
 
 class CountHostSyncs(TorchDispatchMode):

@@ -243,15 +243,18 @@ def test_moving_every_head_at_once_equals_moving_them_one_by_one(monkeypatch, fa
         lens = [head.sink_k.shape[2] + head.full_k.shape[2] + head.recent_k.shape[2] for head in layer.heads]
         # a move rewrites tiers in place: the state to put back is a copy
         before = [{name: copy.deepcopy(getattr(head, name)) for name in _STATE} for head in layer.heads]
-        scores, moves, events = layer.scores.clone(), owner._moves, len(owner.events)
+        # the move counts accumulate in place: copies
+        scores, events = layer.scores.clone(), len(owner.events)
+        moves = owner._moves.clone() if owner._moves is not None else None
         for h, (head, n) in enumerate(zip(layer.heads, lens)):
             head.move(keys[h, :n][None, None], values[h, :n][None, None])
         one_by_one = [{name: getattr(head, name) for name in _STATE + _COMPARED} for head in layer.heads]
-        ref_scores, ref_moves, ref_events = layer.scores.clone(), owner._moves, owner.events[events:]
+        ref_scores, ref_moves, ref_events = layer.scores.clone(), owner._moves.clone(), owner.events[events:]
         for head, state in zip(layer.heads, before):
             head.__dict__.update(state)
         layer.scores.copy_(scores)
-        owner._moves, owner.events = moves, owner.events[:events]
+        owner._moves = moves.clone() if moves is not None else None  # None again where none were counted
+        owner.events = owner.events[:events]
         move_heads(layer, keys, values, cands, rank, ranked)
         for head, ref in zip(layer.heads, one_by_one):
             for name in _COMPARED:

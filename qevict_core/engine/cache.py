@@ -55,7 +55,10 @@ class QEvictCache(ReportingCache):
         self.schedule = RoutingSchedule(config.omega)
         self.grid = WindowGrid(config.sinks, config.omega)  # where every layer's windows lie
         self._moves: torch.Tensor | None = None
-        self._unfit: torch.Tensor | None = None  # routing events' scale check, read by the next forward
+        # Routing events' scale check, read after each event. It and the move counts are written in place: a step
+        # replayed from a graph writes where the captured step did.
+        self._unfit: torch.Tensor | None = None
+        self._unfit_unread = False
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
@@ -77,13 +80,18 @@ class QEvictCache(ReportingCache):
         could not hold: remembered, and checked when the host reads the cache (:meth:`check_fit`: the memory report
         the generation loop takes after every step, the summary) rather than read back inside a routing step."""
         unfit = windows.any()
-        self._unfit = unfit if self._unfit is None else self._unfit | unfit
+        if self._unfit is None:
+            self._unfit = torch.zeros_like(unfit)
+        self._unfit.logical_or_(unfit)
+        self._unfit_unread = True
 
     def check_fit(self) -> None:
-        """ValueError if a window quantized since the last check could not be stored (one read back, only after a
-        routing event)."""
-        unfit, self._unfit = self._unfit, None
-        if unfit is not None and bool(unfit):
+        """ValueError if a window quantized so far could not be stored: one read back, only after a routing event
+        (noted, or the last forward routed: a replayed event notes nothing on the host)."""
+        if self._unfit is None or not (self._unfit_unread or self.routed()):
+            return
+        self._unfit_unread = False
+        if bool(self._unfit):
             dtype = self.config.param_dtype(self.shape.dtype)
             raise ValueError(f"the cache's keys or values {UNFIT.format(dtype=dtype)}")
 
@@ -96,6 +104,10 @@ class QEvictCache(ReportingCache):
     @property
     def replays_steps(self) -> bool:
         return super().replays_steps and self.backend.steps_at_fixed_shape and not self.plan.uncompressed
+
+    @property
+    def replays_routing(self) -> bool:
+        return self.replays_steps and not self.config.record_events  # an event's record is read on the host
 
     def end_forward(self) -> None:
         self._rope_table = None  # transient: nothing of it persists to the next step
@@ -140,9 +152,12 @@ class QEvictCache(ReportingCache):
                        ((decision.quant >= n_quant) & (decision.quant < n_quant + n_full)).sum(), evicted)
 
     def add_moves(self, promotions: torch.Tensor, demotions: torch.Tensor, evictions: int) -> None:
-        moves = torch.stack([promotions, demotions, torch.tensor(evictions, device=promotions.device)])
+        # the evictions by a fill, not a copy from the host (which a CUDA graph could not capture)
+        moves = torch.stack([promotions, demotions, torch.full_like(promotions, evictions)])
         # Kept on the device: a host sync per layer and event would stall GPU decoding.
-        self._moves = moves if self._moves is None else self._moves + moves
+        if self._moves is None:
+            self._moves = torch.zeros_like(moves)
+        self._moves.add_(moves)
 
     def memory_report(self) -> dict:
         self.check_fit()

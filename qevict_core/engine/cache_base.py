@@ -151,6 +151,11 @@ class ReportingCache(Cache):
         addresses while ``replay_key`` holds), so that a captured graph can stand in for it."""
         return all(layer.steps_at_fixed_shape for layer in self.layers)
 
+    @property
+    def replays_routing(self) -> bool:
+        """Whether a routing step, too, is one call once the tiers keep their sizes and storage across events."""
+        return False
+
     def routes_at(self, num_tokens: int) -> bool:
         """Whether the next forward of ``num_tokens`` would move tokens between tiers (never, by default)."""
         return False

@@ -41,10 +41,11 @@ class FullPrecision:
         """[sinks | full | recent] as views (what attention reads)."""
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
-    def replayed(self, n: int) -> None:
+    def replayed(self, n: int, drop: int = 0) -> None:
         """The host half of appending ``n`` decode tokens whose writes a captured graph replayed (it advanced
-        ``count``); such a step completes no sinks."""
-        self.length += n
+        ``count``; such a step completes no sinks), then, at a routing event that kept the full tier's size,
+        ``drop`` aged tokens leaving the recent region (``rebuild``)."""
+        self.length += n - drop
 
     def part(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         start, stop = {"sink": (0, self.sinks), "full": (self.sinks, self.sinks + self.full),

@@ -107,10 +107,11 @@ class QEvictLayer(ReportingLayer):
     def keep_moved(self, full_k: torch.Tensor, full_v: torch.Tensor, full_ids: torch.Tensor, num_aged: int) -> None:
         """A move's full tier (copies, (B, H, F, D) and its ids (B, F/Ω)) and ``num_aged`` windows out of the
         recent region; the tiers' storage stays the layer's."""
+        full_before = self.fp.full
         self.fp.rebuild(full_k, full_v, num_aged * self.grid.omega)
         self.full_ids = _overwrite(self.full_ids, full_ids) if self.rewrites_in_place else full_ids
         self.recent_start += num_aged * self.grid.omega
-        self._recent_moved()
+        self._recent_moved(num_aged * self.grid.omega, full_before)
 
     def keep_records(self, quant: WindowLedger, dormant: WindowLedger | None, dormant_valid: torch.Tensor) -> None:
         """The low-bit tier and the dormant ledger after a move: written into the storage they had when they keep
@@ -130,13 +131,13 @@ class QEvictLayer(ReportingLayer):
         """The recent region's first ``tokens`` leave it (a prompt stage took them)."""
         self.fp.drop_recent(tokens)
         self.recent_start += tokens
-        self._recent_moved()
+        self._recent_moved(tokens, self.fp.full)
 
     def restore_recent(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
         """The recent region becomes ``keys/values``: ``tokens`` restored in front of what it held."""
         self.fp.set_recent(keys, values)
         self.recent_start -= tokens
-        self._recent_moved()
+        self._recent_moved(-tokens, self.fp.full)
 
     def step_key(self) -> tuple:
         ledgers = [self.quant] + ([self.dormant] if self.dormant is not None else [])
@@ -146,13 +147,26 @@ class QEvictLayer(ReportingLayer):
                 *tensor_key(*tensors, *(getattr(ledger, name) for ledger in ledgers for name in TENSORS)))
 
     def replayed(self, num_tokens: int) -> None:
-        self.fp.replayed(num_tokens)
+        """The host half of a replayed step; a routing step's is that of an event that kept every size."""
         self.seen += num_tokens
+        drop = self.num_aged() * self.grid.omega if self.owner.routed() else 0
+        self.fp.replayed(num_tokens, drop)
+        self.recent_start += drop
 
-    def _recent_moved(self) -> None:
-        """The recent region starts at another position or slot: its device origin follows (an event's write)."""
+    def _recent_moved(self, start_delta: int, full_before: int) -> None:
+        """The recent region's first position moved by ``start_delta`` and the full tier changed size from
+        ``full_before``: the device origin follows, by a difference (the same at every event that keeps the sizes,
+        so a captured routing step replays it)."""
         if self.recent_origin is not None:
-            self.recent_origin.fill_(self.recent_start - self.grid.sinks - self.fp.full)
+            self.recent_origin.add_(start_delta - (self.fp.full - full_before))
+
+    def _first_recent(self) -> torch.Tensor:
+        """(1,) the recent region's first window, from the device origin."""
+        return torch.div(self.recent_origin + self.fp.full, self.grid.omega, rounding_mode="floor")
+
+    def num_aged(self) -> int:
+        """Windows the next routing event takes out of the recent region."""
+        return max(0, self.grid.window_of(self.seen - self.owner.config.recent) - self.grid.window_of(self.recent_start))
 
     def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):
@@ -268,8 +282,7 @@ class QEvictLayer(ReportingLayer):
         n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
         device = self.full_ids.device
         if self.reads_buffer:
-            first = torch.div(self.recent_origin + self.fp.full, self.grid.omega, rounding_mode="floor")
-            recent = (first + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
+            recent = (self._first_recent() + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
         else:
             first_recent = self.grid.window_of(self.recent_start)
             recent = torch.arange(first_recent, first_recent + n_recent, device=device)
@@ -307,9 +320,12 @@ class QEvictLayer(ReportingLayer):
 
     def candidates(self) -> torch.Tensor:
         """(B, C) window ids that the next routing event will rank: [quantized | full | aging out of recent]."""
-        first_recent = self.grid.window_of(self.recent_start)
-        num_aged = max(0, self.grid.window_of(self.seen - self.owner.config.recent) - first_recent)
-        aged = torch.arange(first_recent, first_recent + num_aged, device=self.full_ids.device, dtype=torch.int32)
+        num_aged, device = self.num_aged(), self.full_ids.device
+        if self.recent_origin is not None:  # from the device, so a captured event replays
+            aged = (self._first_recent() + torch.arange(num_aged, device=device)).to(torch.int32)
+        else:
+            first_recent = self.grid.window_of(self.recent_start)
+            aged = torch.arange(first_recent, first_recent + num_aged, device=device, dtype=torch.int32)
         return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
 
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@
 A cache whose one-token decode step is the same call at every fill (``replays_steps``: the PyTorch path of the
 QEvict family, ``fullkv_static``) writes its token at a slot it counts on the device and reads its tiers in place,
 so a step captured once replays at every later fill, as long as nothing it reads was reallocated or resized
-(``replay_key``). A step that routes, and the first plain step after the tiers change size, run eagerly; the plain
-step after that is captured (the capture runs the step's Python, which advances the cache's host counters, and the
-replay that follows does its device work); every later plain step copies its inputs into the graph's, replays, and
-advances the host counters with ``cache.replayed`` (what an eager step advances; a test compares the two).
+(``replay_key``). Plain steps and routing steps (``replays_routing``: once the tiers keep their sizes and storage
+across an event, every event is the same call too) each have a graph. The first step of a kind at given tiers runs
+eagerly, as a warm-up (a routing step whose event reallocated something is never captured); the next is captured
+(the capture runs the step's Python, which advances the cache's host counters, and the replay that follows does its
+device work); every later one copies its inputs into the graph's, replays, and advances the host counters with
+``cache.replayed`` (what an eager step advances; a test compares the two).
 
 Positions reach the model as tensors (``cache_position``, ``position_ids``), as a graph's inputs must.
 """
@@ -14,6 +16,7 @@ Positions reach the model as tensors (``cache_position``, ``position_ids``), as 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -33,9 +36,20 @@ def require_graphs(model, cache) -> None:
         raise ValueError(_CANNOT.format(method=cache.method))
 
 
+@dataclass
+class _Slot:
+    """One captured step: the plain step's or the routing step's, valid while ``key`` holds."""
+
+    key: tuple | None = None
+    graph: object = None
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+
+
 class GraphedSteps:
     """``steps(token)`` -> the next token's logits (B, V), the cache advanced by one step; ``replays`` counts the
-    steps a graph stood in for. ``graph_class``: CUDA graphs by default (a test stands another in on the CPU)."""
+    steps a graph stood in for, by kind ("plain", "routing"). ``graph_class``: CUDA graphs by default (a test
+    stands another in on the CPU)."""
 
     def __init__(self, model, cache, graph_class=None):
         if graph_class is None:
@@ -44,31 +58,32 @@ class GraphedSteps:
             raise ValueError(_CANNOT.format(method=cache.method))
         self.model, self.cache = model, cache
         self.graph_class = graph_class or torch.cuda.CUDAGraph
-        self.graph = None
-        self.key: tuple | None = None
-        self.replays = 0
-        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._logits: torch.Tensor | None = None
+        self.slots = {"plain": _Slot(), "routing": _Slot()}
+        self.replays = {"plain": 0, "routing": 0}
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """token (B, 1) on the model's device."""
         cache = self.cache
         position = cache.get_seq_length()
-        if cache.routes_at(1):
+        kind = "routing" if cache.routes_at(1) else "plain"
+        if kind == "routing" and not cache.replays_routing:
             return self._eager(token, position)
-        key = cache.replay_key()
-        if key != self.key:  # the tiers changed: run this step eagerly (a warm-up), capture the next
-            self.graph, self.key = None, key
+        slot, key = self.slots[kind], cache.replay_key()
+        if key != slot.key:  # first step of this kind at these tiers: eagerly (a warm-up); the next is captured
             with _side_stream(token):
-                return self._eager(token, position)
-        if self.graph is None:
-            self._capture(token, position)
+                logits = self._eager(token, position)
+            # an event that reallocated or resized a tier cannot be replayed: it would write where nothing reads
+            slot.key, slot.graph = (key if cache.replay_key() == key else None), None
+            return logits
+        if slot.graph is None:
+            self._capture(slot, token, position)
         else:
-            self._feed(token, position)
-            self.graph.replay()
+            slot.inputs[0].copy_(token)
+            slot.inputs[1].fill_(position)
+            slot.graph.replay()
             cache.replayed(1)
-            self.replays += 1
-        return self._logits[:, -1].clone()
+            self.replays[kind] += 1
+        return slot.logits[:, -1].clone()
 
     def _eager(self, token: torch.Tensor, position: int) -> torch.Tensor:
         positions = torch.tensor([position], device=token.device)
@@ -78,19 +93,14 @@ class GraphedSteps:
         return call(self.model, token, self.cache, logits_to_keep=1, use_cache=True, cache_position=positions,
                     position_ids=positions.expand(token.shape[0], -1)).logits
 
-    def _feed(self, token: torch.Tensor, position: int) -> None:
-        ids, positions = self._inputs
-        ids.copy_(token)
-        positions.fill_(position)
-
-    def _capture(self, token: torch.Tensor, position: int) -> None:
+    def _capture(self, slot: _Slot, token: torch.Tensor, position: int) -> None:
         """Capture this step (its Python runs: the host counters advance) and replay it (its device work)."""
-        self._inputs = (token.clone(), torch.tensor([position], device=token.device))
+        slot.inputs = (token.clone(), torch.tensor([position], device=token.device))
         graph = self.graph_class()
         with _capturing(graph):
-            self._logits = self._forward(*self._inputs)
+            slot.logits = self._forward(*slot.inputs)
         graph.replay()
-        self.graph = graph
+        slot.graph = graph
 
 
 @contextmanager
