@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .shared_work import shared
+
 # Bound on one chunk's probability tensor (elements), ~64 MiB in float32, and on queries per chunk: small chunks
 # let prefill skip the keys that no query of the chunk can see yet (about half of a causal prompt).
 CHUNK_ELEMENTS = 1 << 24
@@ -51,6 +53,7 @@ def causal_softmax(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch
     return torch.softmax(logits, dim=-1)
 
 
+@shared
 def kv_head_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
                  scaling: float) -> torch.Tensor:
     """Attention mass each key receives from every query of its KV group: (B, Hkv, N) float32.

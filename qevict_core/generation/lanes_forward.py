@@ -13,12 +13,13 @@ forward (its updates and attention) is timed into ``cache.own_seconds``, so a la
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..engine.cache_base import ReportingCache
+from ..engine.shared_work import sharing
 from .model_call import call
 
 
@@ -92,7 +93,9 @@ def forward_lanes(model, input_ids: torch.Tensor, caches: list[ReportingCache]) 
     """One forward for all caches; ``input_ids`` (1, T) is shared, (N, 1) gives row i to cache i.
     Returns the last position's logits, one row per cache."""
     cache = caches[0] if len(caches) == 1 else LaneBatch(caches)
-    with torch.inference_mode():
+    # a shared prompt: lanes that score it alike compute the score once (shared_work.py)
+    together = sharing() if len(caches) > 1 and input_ids.shape[0] == 1 else nullcontext()
+    with torch.inference_mode(), together:
         logits = call(model, input_ids, cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits.expand(len(caches), -1) if logits.shape[0] == 1 else logits
 

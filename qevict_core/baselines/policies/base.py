@@ -18,6 +18,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ...engine.shared_work import shared
+
 
 @dataclass
 class ScoreInputs:
@@ -96,6 +98,7 @@ def pool_keys(scores: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
     return pooled[..., :shape[-1]].reshape(shape)
 
 
+@shared
 def value_norms(values: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """CriticalKV's value term N_j = ||W_o^h v_j||_1, averaged over the query heads h of each KV group.
 
