@@ -172,7 +172,8 @@ def one_run(model, method: str, budget: float | None, prompt: torch.Tensor, new_
             "throughput": prompt.shape[0] * new_tokens / (prefill_s + decode_s),
             "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak,
             "kv_bytes": report["total_bytes"], "kv_peak_bytes": report["peak_bytes"], "kv_ratio": report["ratio"],
-            **({"replayed_steps": stepper.replays} if stepper else {}), **routing_overhead(steps)}
+            **({f"replayed_{kind}": n for kind, n in stepper.replays.items()} if stepper else {}),
+            **routing_overhead(steps)}
 
 
 def chunkable(variant: Variant) -> bool:

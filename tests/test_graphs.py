@@ -62,7 +62,7 @@ def _generate(model, cache, prompt: torch.Tensor, steps: int, graph_class=None):
     with torch.inference_mode():
         token = call(model, prompt, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(steps):
-            tokens.append(token[0, 0].item())
+            tokens.append(token[:, 0].tolist())
             if runner is not None:
                 logits = runner(token)
             else:
@@ -75,30 +75,32 @@ def _generate(model, cache, prompt: torch.Tensor, steps: int, graph_class=None):
     return tokens, reports, cache.summary(), runner
 
 
-CASES = [("qevict", 0.7), ("qevict", None), ("fullkv_static", None)]  # the default's sizing, Eq. 3's, FullKV
+# the default's sizing, Eq. 3's (a full tier: promotions), FullKV; batch 2 (rows route apart)
+CASES = [("qevict", 0.7, 1), ("qevict", None, 1), ("fullkv_static", None, 1), ("qevict", None, 2)]
 
 
-def _compare(method: str, coverage, device: str, graph_class) -> None:
+def _compare(method: str, coverage, batch: int, device: str, graph_class) -> None:
     model, omega = tiny_model("llama", 2).to(device), 8
     config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
-    prompt, steps = random_prompt(300), 6 * omega
-    eager = _generate(model, make_cache(method, model, config, max_length=400), prompt, steps)
-    graphed = _generate(model, make_cache(method, model, config, max_length=400), prompt, steps, graph_class)
+    prompt, steps = torch.cat([random_prompt(300, seed=s) for s in range(batch)]), 6 * omega
+    made = [make_cache(method, model, config, max_length=400, batch_size=batch) for _ in range(2)]
+    eager = _generate(model, made[0], prompt, steps)
+    graphed = _generate(model, made[1], prompt, steps, graph_class)
     assert graphed[:3] == eager[:3]
     # most plain steps replay: each event's step and the first plain step after a change of the tiers run eagerly
     replays = graphed[3].replays
     assert replays["plain"] >= steps // 2 and (method == "fullkv_static" or replays["routing"] >= 3), replays
 
 
-@pytest.mark.parametrize("method, coverage", CASES)
-def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, coverage):
-    _compare(method, coverage, "cpu", RecordedGraph)
+@pytest.mark.parametrize("method, coverage, batch", CASES)
+def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch):
+    _compare(method, coverage, batch, "cpu", RecordedGraph)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (RecordedGraph stands in above)")
-@pytest.mark.parametrize("method, coverage", CASES)
-def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage):
-    _compare(method, coverage, "cuda", torch.cuda.CUDAGraph)
+@pytest.mark.parametrize("method, coverage, batch", CASES)
+def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch):
+    _compare(method, coverage, batch, "cuda", torch.cuda.CUDAGraph)
 
 
 def _host_state(cache) -> dict:
@@ -156,3 +158,20 @@ def test_cuda_graphs_without_a_gpu_are_refused_before_any_step():
         next(generate_lanes(model, None, random_prompt(300), [Lane("a", cache)], Sampling(stop_at_eos=False),
                             graphs=True))
     assert cache.get_seq_length() == 0
+
+
+def test_the_speed_benchmark_replays_every_method_it_graphs(monkeypatch):
+    """bench.speed --graphs on a GPU, run here through the stand-in: the row counts the replayed steps, and the
+    flag is refused in one line where there is no GPU."""
+    from bench import speed
+
+    monkeypatch.setattr(speed, "GraphedSteps", lambda model, cache: GraphedSteps(model, cache, RecordedGraph))
+    model = tiny_model("llama", 2)
+    prompt = random_prompt(300)
+    for method in ("fullkv_static", "qevict@torch"):
+        row = speed.one_run(model, method, 0.3, prompt, 70, graphs=True)  # eight events at Ω = 8
+        assert row["replayed_plain"] >= 10 and row["tpot"] > 0
+        assert (row["replayed_routing"] > 0) == (method == "qevict@torch")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--graphs replays CUDA graphs: it needs --device cuda"):
+            speed.main(["--model", "tiny", "--methods", "fullkv_static", "--graphs", "--contexts", "256"])
