@@ -2,7 +2,7 @@
 
 A decode step used to concatenate the three parts every step: an allocation and a copy of every full-precision key
 and value, per layer and step, and new addresses each time (no CUDA graph could replay it). Here a step writes its
-token in place and attention reads a view of the live part. From the first routing event on, the buffer holds what
+token in place and attention reads a view of the live part (or, counting on the device, the whole buffer). From the first routing event on, the buffer holds what
 the plan charges for (``budget.plan_tiers``): the sinks, K_f windows, and the recent region with the Ω tokens that
 arrive between two events, so it is taken once per generation after the prompt, and every later event rewrites it in
 place. Before that event the prompt takes what it needs, and a forward of more tokens than that (a continuation
