@@ -1,13 +1,12 @@
 """The full-precision part of one layer's tiers, [sinks | full | recent], in one buffer the layer owns.
 
-A decode step used to concatenate the three parts every step: an allocation and a copy of every full-precision key
-and value, per layer and step, and new addresses each time (no CUDA graph could replay it). Here a step writes its
-token in place and attention reads a view of the live part (or, counting on the device, the whole buffer). From the first routing event on, the buffer holds what
-the plan charges for (``budget.plan_tiers``): the sinks, K_f windows, and the recent region with the Ω tokens that
-arrive between two events, so it is taken once per generation after the prompt, and every later event rewrites it in
-place. Before that event the prompt takes what it needs, and a forward of more tokens than that (a continuation
-read at once) grows it until the next event brings it back to the plan's size. The unused part counts as resident
-(``reserved``): it is memory the cache holds.
+A step writes its token in place and attention reads a view of the live part (or, counting on the device, the
+whole buffer): no per-step concatenation of the full-precision keys and values, and the same addresses every step.
+From the first routing event on, the buffer holds what the plan charges for (``budget.plan_tiers``): the sinks, K_f
+windows, and the recent region with the Ω tokens that arrive between two events, so it is taken once per
+generation after the prompt, and every later event rewrites it in place. Before that event the prompt takes what it
+needs, and a forward of more tokens than that (a continuation read at once) grows it until the next event brings it
+back to the plan's size. The unused part counts as resident (``reserved``): it is memory the cache holds.
 
 A buffer that ``counts`` on the device also keeps ``count``, its live tokens as a tensor: a single decode token is
 written at that slot by ``index_copy_`` and attention reads the whole buffer (the reserved tail hidden by position),
