@@ -113,9 +113,9 @@ class QEvictCache(ReportingCache):
         self._rope_table = None  # transient: nothing of it persists to the next step
 
     def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (seen or max_length, D): rows of every position seen so far, built by the first layer to need them and
-        reused by every other layer of this forward (30 layers used to compute cos/sin of their own quantized
-        positions each step)."""
+        """cos, sin (seen, D), or (max_length, D) where steps keep one shape: rows of every position, built by the
+        first layer to need them and reused by every other layer of this forward (else each layer would compute
+        cos/sin of its own quantized positions at every step)."""
         if self._rope_table is None:
             # rows of every position a generation reaches where steps keep one shape, else of those seen so far
             rows = self.max_length if self.backend.steps_at_fixed_shape else self.schedule.seen

@@ -166,7 +166,8 @@ class QEvictLayer(ReportingLayer):
 
     def num_aged(self) -> int:
         """Windows the next routing event takes out of the recent region."""
-        return max(0, self.grid.window_of(self.seen - self.owner.config.recent) - self.grid.window_of(self.recent_start))
+        leaving = self.grid.window_of(self.seen - self.owner.config.recent)  # the first window still recent after it
+        return max(0, leaving - self.grid.window_of(self.recent_start))
 
     def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):

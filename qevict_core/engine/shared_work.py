@@ -5,8 +5,9 @@ and ZipCache's each take the attention mass of every prompt query on every key (
 layer), CriticalKV's and DefensiveKV's the value norms through ``o_proj`` (``value_norms``). Their inputs are the
 same tensors or equal copies (each lane keeps the prompt's keys in its own buffer), so inside ``sharing()`` a
 function marked ``@shared`` returns a copy of the result of an earlier call whose inputs were equal (same shapes,
-dtypes and bits; modules by identity): the result is bit for bit the one the call would compute. The inputs are kept as copies (a lane may rewrite its buffer in place after the call) and only the last
-few calls are kept (one layer's; the next layer's inputs differ).
+dtypes and bits; modules by identity): the result is bit for bit the one the call would compute. The inputs are kept
+as copies (a lane may rewrite its buffer in place after the call) and only the last few calls are kept (one layer's;
+the next layer's inputs differ).
 """
 
 from __future__ import annotations
