@@ -44,6 +44,23 @@ def fp_attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
     return merge_attention(parts) if len(parts) > 1 else (parts[0][0].float(), parts[0][1].float())
 
 
+def fp_attention_masked(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """query (B, Hq, L, D) over full-precision keys (B, Hkv, N, D) in any order, ``visible`` (B, L, N) saying which
+    keys each query position sees -> (out (B, Hq, L, D), lse (B, Hq, L)) in float32. Plain math, for the few
+    full-precision keys of a step that reads a whole buffer (its unwritten tail visible to no query), so that every
+    step has the same shapes; a query that sees no key gets lse = -inf and a zero output."""
+    b, hq, lq, d = query.shape
+    hkv = keys.shape[1]
+    rows = query.reshape(b, hkv, hq // hkv * lq, d).float()  # (B, Hkv, G*L, D): row r is position r % L
+    scores = rows @ keys.float().transpose(2, 3) * scale  # (B, Hkv, G*L, N)
+    sees = visible[:, None, torch.arange(rows.shape[2], device=keys.device) % lq]  # (B, 1, G*L, N)
+    scores = scores.masked_fill(~sees, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0) @ values.float()
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
 def _fused(query, keys, values, scale):
     """PyTorch's fused attention with its log-sum-exp: FlashAttention-2 (SDPA's flash backend) on a GPU for half
     precision, else the memory-efficient kernel, the CPU's flash kernel on a CPU; plain math where none runs."""

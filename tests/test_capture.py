@@ -4,9 +4,9 @@ dispatch mode that refuses the operators that wait for the device (``nonzero``, 
 ``unique``, ``masked_select``, boolean indexing) and ``.tolist()``, the step
 runs, and two plain steps at different fill levels launch the same sequence of operators. A routing step reads
 nothing back either, and the tiers keep their storage across steps and routing events once they are full. On the
-PyTorch path a plain step, and a routing step, is moreover the same call at every fill once the tiers are at their
+GPU paths a plain step, and a routing step, is moreover the same call at every fill once the tiers are at their
 planned sizes: the same operators on the same shapes with the same arguments, what a replayed CUDA graph needs (the
-Triton path's full-precision attention still reads the live part; the ledgers are replaced while they grow)."""
+ledgers are replaced while they grow)."""
 
 from __future__ import annotations
 
@@ -75,13 +75,22 @@ class RecordCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         flat, _ = tree_flatten((args, kwargs or {}))
-        self.calls.append((str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                                            for a in flat)))
+        self.calls.append((str(func), tuple(_fixed(a) for a in flat)))
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("coverage", [0.7, None])  # the default's sizing (no full tier here) and Eq. 3's split
-def test_a_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
+def _fixed(arg):
+    """What a replay fixes of an argument: a tensor's shape and dtype, a storage's size (the Triton interpreter hands
+    its kernels copies through storages), anything else as given."""
+    if isinstance(arg, torch.Tensor):
+        return tuple(arg.shape), arg.dtype
+    if isinstance(arg, torch.UntypedStorage):
+        return "storage", arg.nbytes()
+    return arg
+
+
+@pytest.mark.parametrize("kernels, coverage", [("torch", 0.7), ("torch", None), ("triton", None)])
+def test_a_step_of_the_gpu_paths_is_one_call_at_every_fill(kernels, coverage):
     """Every plain step of several routing intervals, once the tiers are at their planned sizes, runs the same
     operators on the same shapes with the same non-tensor arguments: the step writes its token at a slot counted on
     the device, attends over the whole full-precision buffer (its reserved tail hidden by position) and folds its
@@ -89,7 +98,7 @@ def test_a_step_of_the_pytorch_path_is_one_call_at_every_fill(coverage):
     step: the aged windows and the recent region's origin come from the device too. The positions come in as
     tensors, as a graph's static inputs do (tests/test_graphs.py replays them)."""
     model, omega = tiny_model("llama", 2), 8
-    config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
+    config = QEvictConfig(budget=0.3, kernels=kernels, omega=omega, coverage=coverage)
     cache = make_cache("qevict", model, config, max_length=400)
     calls, routing = [], []
     with torch.inference_mode():

@@ -79,9 +79,9 @@ def _generate(model, cache, prompt: torch.Tensor, steps: int, graph_class=None):
 CASES = [("qevict", 0.7, 1), ("qevict", None, 1), ("fullkv_static", None, 1), ("qevict", None, 2)]
 
 
-def _compare(method: str, coverage, batch: int, device: str, graph_class) -> None:
+def _compare(method: str, coverage, batch: int, device: str, graph_class, kernels: str = "torch") -> None:
     model, omega = tiny_model("llama", 2).to(device), 8
-    config = QEvictConfig(budget=0.3, kernels="torch", omega=omega, coverage=coverage)
+    config = QEvictConfig(budget=0.3, kernels=kernels, omega=omega, coverage=coverage)
     prompt, steps = torch.cat([random_prompt(300, seed=s) for s in range(batch)]), 6 * omega
     made = [make_cache(method, model, config, max_length=400, batch_size=batch) for _ in range(2)]
     eager = _generate(model, made[0], prompt, steps)
@@ -98,9 +98,10 @@ def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (RecordedGraph stands in above)")
+@pytest.mark.parametrize("kernels", ["torch", "triton"])  # the stand-in replays no Triton launch: a GPU only
 @pytest.mark.parametrize("method, coverage, batch", CASES)
-def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch):
-    _compare(method, coverage, batch, "cuda", torch.cuda.CUDAGraph)
+def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch, kernels):
+    _compare(method, coverage, batch, "cuda", torch.cuda.CUDAGraph, kernels)
 
 
 def _host_state(cache) -> dict:
@@ -144,7 +145,7 @@ def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method,
                                             ("snapkv", QEvictConfig(budget=0.3))])
 def test_a_cache_whose_steps_follow_its_fill_is_refused(method, config):
     model = tiny_model("llama", 2)
-    with pytest.raises(ValueError, match="cannot replay its decode steps.*fullkv_static or a QEvict method"):
+    with pytest.raises(ValueError, match="cannot replay its decode steps.*fullkv_static or a QEvict method on a GPU path"):
         GraphedSteps(model, make_cache(method, model, config, max_length=400), graph_class=RecordedGraph)
 
 

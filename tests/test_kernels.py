@@ -13,7 +13,7 @@ import torch
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import WindowLedger
 from qevict_kernels.lowbit_attention import dequantized_keys_reference, lowbit_attention, lowbit_reference, merge
-from qevict_kernels.merge import fp_attention_with_lse, merge_attention
+from qevict_kernels.merge import fp_attention_masked, fp_attention_with_lse, merge_attention
 from tests.conftest import KV, random_prompt, tiny_model
 
 SINKS = 5
@@ -162,6 +162,20 @@ def test_segments_merge_exactly():
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1),
                                                                 v.repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_full_precision_attention_sees_what_its_mask_says():
+    """A whole buffer (97 keys) whose last 20 slots hold stale keys no query sees: the same output and log-sum-exp as
+    the live 77 keys with the queries' own tokens last (bottom-right causal)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = randn(2, 6, 3, 64, generator=gen), randn(2, 2, 97, 64, generator=gen), randn(2, 2, 97, 64, generator=gen)
+    k[:, :, 77:], v[:, :, 77:] = 1e4, -1e4  # stale slots (finite: the buffers start at zeros)
+    positions = torch.arange(97, device=DEVICE).expand(2, -1)
+    query_pos = torch.arange(74, 77, device=DEVICE)
+    out, lse = fp_attention_masked(q, k, v, 0.125, positions[:, None, :] <= query_pos[None, :, None])
+    ref_out, ref_lse = fp_attention_with_lse(q, k[:, :, :77], v[:, :, :77], 0.125, causal_tail=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_path_needs_the_interpreter_on_cpu(monkeypatch):

@@ -25,8 +25,8 @@ class Backend:
     # routing step asks the device nothing (what a CUDA graph needs).
     sizes_moves_on_host: ClassVar[bool] = False
     # A decode step reads each layer's whole full-precision buffer, its fill counted on the device, so every plain
-    # step runs the same operators on the same shapes (what a CUDA graph replays); the C and Triton steps read the
-    # live part.
+    # step runs the same operators on the same shapes (what a CUDA graph replays); the C kernel's reads the live
+    # part (on the CPU, where no graph replays).
     steps_at_fixed_shape: ClassVar[bool] = False
 
     def prepare(self, cache) -> None:
@@ -68,6 +68,7 @@ class CPUBackend(Backend):
 class TritonBackend(Backend):
     name = "triton"
     reads_tier_in_place = True
+    steps_at_fixed_shape = True
 
     def prepare(self, cache) -> None:
         from . import triton_path
@@ -77,7 +78,7 @@ class TritonBackend(Backend):
     def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
         from . import triton_path
 
-        out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, scored)
+        out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, query_pos, scored)
         if scored:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
             layer.fold_windows(quant, fp_keys, query.shape[1])
         return out, None
