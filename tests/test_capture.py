@@ -20,8 +20,11 @@ from qevict_core.engine.ledger import TENSORS
 from qevict_core.generation.model_call import call
 from tests.conftest import random_prompt, tiny_model
 
+# the operators that wait for the device, and a tensor made from host data (a copy from the host: a CUDA graph
+# capture refuses it)
 REFUSED = {"aten.nonzero", "aten._local_scalar_dense", "aten.unique", "aten._unique", "aten._unique2",
-           "aten.unique_consecutive", "aten.unique_dim", "aten.masked_select", "aten.is_nonzero", "aten.equal"}
+           "aten.unique_consecutive", "aten.unique_dim", "aten.masked_select", "aten.is_nonzero", "aten.equal",
+           "aten.lift_fresh"}
 
 
 class NoHostSync(TorchDispatchMode):
@@ -32,7 +35,7 @@ class NoHostSync(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         if name in REFUSED:
-            raise AssertionError(f"{func} waits for the device")
+            raise AssertionError(f"{func} waits for the device or copies from the host")
         if name == "aten.index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                         for i in (args[1] if len(args) > 1 else ()) if i is not None):
             raise AssertionError("boolean indexing waits for the device")
@@ -115,7 +118,7 @@ def test_a_step_of_the_gpu_paths_is_one_call_at_every_fill(kernels, coverage):
         assert (coverage is None) == (layer.full_ids.shape[1] > 0)
     # the first step may build the code table once; every later plain step, over four events, is the same call
     assert len(calls) >= 4 * (omega - 1) and all(c == calls[1] for c in calls[1:])
-    assert len(routing) >= 4 and all(c == routing[0] for c in routing)
+    assert len(routing) >= 4 and all(c == routing[1] for c in routing[1:])  # the first may build a table too
 
 
 class CountHostSyncs(TorchDispatchMode):

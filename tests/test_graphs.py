@@ -1,7 +1,7 @@
 """Decode steps replayed from a captured graph (qevict_core/generation/graphs.py), checked without a GPU.
 
 ``RecordedGraph`` stands in for ``torch.cuda.CUDAGraph`` with its semantics: capture records every operator with
-the very tensors it read and wrote; replay runs the recorded operators again, no Python of the step, writing each
+the very tensors it read and wrote (and refuses what a CUDA capture refuses: a read back, a copy from the host); replay runs the recorded operators again, no Python of the step, writing each
 result into the tensor the capture produced (a graph's fixed addresses), so a value the step took from the host at
 capture stays what it was then. Generation through it must give the eager tokens, moves and bytes; a step that
 read a host counter it should have read from the device would replay a stale value and differ.
@@ -20,6 +20,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.generation.graphs import GraphedSteps
 from qevict_core.generation.model_call import call
 from tests.conftest import random_prompt, tiny_model
+from tests.test_capture import REFUSED
 
 
 class _Recorder(TorchDispatchMode):
@@ -28,6 +29,9 @@ class _Recorder(TorchDispatchMode):
         self.ops = ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # what a CUDA capture refuses: waiting for the device, or a copy from the host (a tensor made from data)
+        if str(func.overloadpacket) in REFUSED:
+            raise AssertionError(f"{func} cannot be captured")
         out = func(*args, **(kwargs or {}))
         self.ops.append((func, args, kwargs or {}, out))
         return out

@@ -73,7 +73,8 @@ def _round(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
     """``x`` in ``dtype``, rounded toward -inf (``down``) or +inf instead of to nearest."""
     near = x.to(dtype)
     wrong = near.to(x.dtype) > x if down else near.to(x.dtype) < x
-    target = torch.tensor(float("-inf") if down else float("inf"), dtype=dtype, device=x.device)
+    # a fill, not a tensor made from host data: a captured CUDA graph cannot copy from the host
+    target = torch.full((), float("-inf") if down else float("inf"), dtype=dtype, device=x.device)
     return torch.where(wrong, torch.nextafter(near, target), near)
 
 
