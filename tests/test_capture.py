@@ -106,7 +106,7 @@ def test_a_step_of_the_gpu_paths_is_one_call_at_every_fill(kernels, coverage):
     calls, routing = [], []
     with torch.inference_mode():
         token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(5 * omega):
+        for _ in range((5 if kernels == "torch" else 3) * omega):  # the interpreter is slow: three events
             position = torch.tensor([cache.get_seq_length()])
             mode = RecordCalls()
             with mode:
@@ -116,9 +116,9 @@ def test_a_step_of_the_gpu_paths_is_one_call_at_every_fill(kernels, coverage):
         layer = cache.layers[0]
         assert layer.reads_buffer and layer.fp.length < layer.fp.capacity and layer.quant.num_windows > 0
         assert (coverage is None) == (layer.full_ids.shape[1] > 0)
-    # the first step may build the code table once; every later plain step, over four events, is the same call
-    assert len(calls) >= 4 * (omega - 1) and all(c == calls[1] for c in calls[1:])
-    assert len(routing) >= 4 and all(c == routing[1] for c in routing[1:])  # the first may build a table too
+    # the first step may build the code table once; every later plain step, over the events, is the same call
+    assert len(calls) >= 2 * (omega - 1) and all(c == calls[1] for c in calls[1:])
+    assert len(routing) >= 3 and all(c == routing[1] for c in routing[1:])  # the first may build a table too
 
 
 class CountHostSyncs(TorchDispatchMode):
