@@ -39,13 +39,13 @@ step speed_32k "${SPEED_S:-80}" "$py" -m bench.speed --device cuda --model rando
 step peak_16k "${SPEED_S:-60}" "$py" -m bench.speed --device cuda --model random:llama-8b \
   --methods fullkv_static,qevict@triton --baseline fullkv_static --budget 0.2 --contexts 16384 --batch 8 \
   --new-tokens 16 --repeats 1 --prefill-chunk 2048 --out "$out/peak"
-# 5. the studio's model shape (SmolLM2), eager, then graphed
+# 5. the studio's model shape (SmolLM2), eager, then graphed with steps interleaved (bench.tpot)
 step smollm2 "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:smollm2 \
   --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
   --batch 1 --new-tokens 64 --repeats 2 --out "$out/smollm2"
-step smollm2_graphs "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:smollm2 --graphs \
+step smollm2_graphs "${SMOL_S:-50}" "$py" -m bench.tpot --device cuda --model random:smollm2 --graphs \
   --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
-  --batch 1 --new-tokens 64 --repeats 2 --out "$out/smollm2_graphs"
+  --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
 # 6. where a decode step of the fused path spends its time
 step profile "${PROFILE_S:-40}" "$py" -m bench.profile_decode --device cuda --model random:llama-8b \
   --method qevict@triton --context 8192 --batch 8 --steps 16 --out "$out/profile"

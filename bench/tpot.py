@@ -2,6 +2,8 @@
 
     python -m bench.tpot --methods fullkv,qevict,qevict_head --baseline qevict --context 4096 --new-tokens 64 \\
         --rounds 3 --threads 1 --out bench/results/tpot
+    python -m bench.tpot --device cuda --model random:smollm2 --methods fullkv_static,qevict@triton \
+        --baseline fullkv_static --graphs   # every decode step replayed from CUDA graphs (qevict_core.generation.graphs)
 
 ``bench.speed`` runs every method in a fresh process, which its peak-memory figures need; but on a shared machine
 the model's own matrix products ran up to 25% slower in one process than in another started a minute later, which
@@ -31,11 +33,12 @@ from .speed import load, prompt_ids, routing_overhead
 
 
 def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, float | None]],
-                        new_tokens: int) -> dict[str, list[tuple[float, bool]]]:
+                        new_tokens: int, graphs: bool = False) -> dict[str, list[tuple[float, bool]]]:
     """A fresh cache per lane, then ``qevict_core.timing.interleaved_steps`` -> per lane its (seconds, routed)."""
     variants = {spec: Variant.parse(spec) for spec, _ in lanes}
     caches = {spec: variants[spec].make_cache(model, budget, prompt.shape[1] + new_tokens) for spec, budget in lanes}
-    return interleaved_steps(model, prompt, caches, new_tokens, {spec: v.chunk for spec, v in variants.items()})
+    return interleaved_steps(model, prompt, caches, new_tokens, {spec: v.chunk for spec, v in variants.items()},
+                             graphs)
 
 
 def kv_dtypes(model, lanes: list[tuple[str, float | None]], max_length: int) -> dict[str, str]:
@@ -47,13 +50,15 @@ def summarise(steps: list[tuple[float, bool]]) -> dict:
     return {"tpot": sum(s for s, _ in steps) / len(steps), **routing_overhead(steps)}
 
 
-def run(model, tokenizer, lanes, context: int, new_tokens: int, rounds: int, baseline: str) -> list[dict]:
+def run(model, tokenizer, lanes, context: int, new_tokens: int, rounds: int, baseline: str,
+        graphs: bool = False) -> list[dict]:
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, model, context, 1, device)
-    decode_side_by_side(model, prompt[:, :min(context, 1024)], lanes, 16)  # warm-up: code paths, allocator
+    decode_side_by_side(model, prompt[:, :min(context, 1024)], lanes, 16, graphs)  # warm-up: code paths, allocator
     per_round = []
     for _ in range(rounds):
-        summary = {spec: summarise(s) for spec, s in decode_side_by_side(model, prompt, lanes, new_tokens).items()}
+        steps = decode_side_by_side(model, prompt, lanes, new_tokens, graphs)
+        summary = {spec: summarise(s) for spec, s in steps.items()}
         for res in summary.values():
             res["tpot_vs_baseline"] = res["tpot"] / summary[baseline]["tpot"]
         per_round.append(summary)
@@ -64,7 +69,7 @@ def run(model, tokenizer, lanes, context: int, new_tokens: int, rounds: int, bas
         ratios = [r["tpot_vs_baseline"] for r in runs]
         rows.append({"method": spec, "budget": budget, "context": context, "new_tokens": new_tokens,
                      "rounds": rounds, "baseline": baseline, **row, "tpot_vs_baseline_min": min(ratios),
-                     "tpot_vs_baseline_max": max(ratios), "kv_dtype": stored[spec]})
+                     "tpot_vs_baseline_max": max(ratios), "kv_dtype": stored[spec], "graphs": graphs})
     return rows
 
 
@@ -72,7 +77,8 @@ def table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']} on {meta['cpu'] if meta['device'] == 'cpu' else meta['gpu']} ({meta['device']}, "
              f"{meta['threads']} threads), {meta['date']}, commit {meta['commit']}. Every method decoding in one "
              f"process, steps interleaved; medians over {rows[0]['rounds']} rounds of {rows[0]['new_tokens'] - 1} "
-             f"steps; ratios to {rows[0]['baseline']} taken within each round (range in brackets).", "",
+             f"steps; ratios to {rows[0]['baseline']} taken within each round (range in brackets)."
+             + (" Decode steps replayed from CUDA graphs." if rows[0].get("graphs") else ""), "",
              f"| context | method | TPOT ms | plain step ms | routing event extra ms | TPOT × {rows[0]['baseline']} |",
              "|" + "---|" * 6]
     for r in rows:
@@ -92,6 +98,8 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", default="4096")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--graphs", action="store_true",
+                        help="replay decode steps from CUDA graphs (a GPU; every method must be able to)")
     parser.add_argument("--out", default=str(RESULTS / "tpot"))
     add_model_args(parser)
     args = parser.parse_args(argv)
@@ -102,9 +110,11 @@ def main(argv=None) -> None:
         raise ValueError(f"--rounds must be >= 1 and --new-tokens >= 2 (got {args.rounds}, {args.new_tokens})")
     lanes = method_lanes(specs, [args.budget])  # bad specs fail before anything runs, with the allowed values
     model, tokenizer, meta = load(args.model, args.device, args.threads)
+    if args.graphs and meta["device"] == "cpu":
+        raise ValueError("--graphs replays CUDA graphs: it needs --device cuda (this run is on cpu)")
     rows = []
     for context in tqdm([int(c) for c in args.contexts.split(",")], desc="tpot", unit="context"):
-        rows += run(model, tokenizer, lanes, context, args.new_tokens, args.rounds, args.baseline)
+        rows += run(model, tokenizer, lanes, context, args.new_tokens, args.rounds, args.baseline, args.graphs)
     for row in rows:
         print(f"{row['context']:>6} {row['method']:18s} tpot={1000 * row['tpot']:.1f} ms "
               f"x{args.baseline}={row['tpot_vs_baseline']:.3f}", flush=True)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .generation.graphs import GraphedSteps
 from .generation.model_call import call
 from .generation.prefill import prefill
 
@@ -24,11 +25,14 @@ def sync(device: torch.device) -> None:
 
 
 def interleaved_steps(model, prompt: torch.Tensor, caches: dict[str, object], new_tokens: int,
-                      chunks: dict[str, int | None] | None = None) -> dict[str, list[tuple[float, bool]]]:
+                      chunks: dict[str, int | None] | None = None,
+                      graphs: bool = False) -> dict[str, list[tuple[float, bool]]]:
     """Prefill each fresh cache with ``prompt`` (1, T), then ``new_tokens - 1`` greedy decode steps of every cache,
-    interleaved -> per cache its (seconds, routed) per step."""
+    interleaved -> per cache its (seconds, routed) per step. ``graphs``: every cache's steps replayed from CUDA
+    graphs (generation/graphs.py; a ValueError before any step where one cannot)."""
     device, chunks = prompt.device, chunks or {}
     tokens, steps = {}, {name: [] for name in caches}
+    steppers = {name: GraphedSteps(model, cache) for name, cache in caches.items()} if graphs else {}
     with torch.inference_mode():
         for name, cache in caches.items():
             tokens[name] = prefill(model, prompt, cache, chunks.get(name)).argmax(-1, keepdim=True)
@@ -37,8 +41,11 @@ def interleaved_steps(model, prompt: torch.Tensor, caches: dict[str, object], ne
             for name in order[step % len(order):] + order[:step % len(order)]:
                 sync(device)
                 began = time.perf_counter()
-                logits = call(model, tokens[name], caches[name], logits_to_keep=1).logits
-                tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
+                if graphs:
+                    logits = steppers[name](tokens[name])
+                else:
+                    logits = call(model, tokens[name], caches[name], logits_to_keep=1).logits[:, -1]
+                tokens[name] = logits.argmax(-1, keepdim=True)
                 sync(device)
                 steps[name].append((time.perf_counter() - began, caches[name].routed()))
     return steps

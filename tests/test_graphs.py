@@ -180,3 +180,22 @@ def test_the_speed_benchmark_replays_every_method_it_graphs(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--graphs replays CUDA graphs: it needs --device cuda"):
             speed.main(["--model", "tiny", "--methods", "fullkv_static", "--graphs", "--contexts", "256"])
+
+
+def test_interleaved_timing_replays_every_lane(monkeypatch):
+    """bench.tpot --graphs (qevict_core.timing.interleaved_steps) through the stand-in: each lane's steps replay."""
+    from qevict_core import timing
+
+    made = []
+
+    def stepper(model, cache):
+        made.append(GraphedSteps(model, cache, RecordedGraph))
+        return made[-1]
+
+    monkeypatch.setattr(timing, "GraphedSteps", stepper)
+    model = tiny_model("llama", 2)
+    config = QEvictConfig(budget=0.3, kernels="torch")
+    caches = {m: make_cache(m, model, config, max_length=340) for m in ("fullkv_static", "qevict")}
+    steps = timing.interleaved_steps(model, random_prompt(300), caches, 30, graphs=True)
+    assert {name: len(s) for name, s in steps.items()} == {"fullkv_static": 29, "qevict": 29}
+    assert len(made) == 2 and all(m.replays["plain"] >= 15 for m in made)
