@@ -46,12 +46,12 @@ class FullKVCache(ReportingCache):
 
 
 class StaticFullKVLayer(FullKVLayer):
-    steps_at_fixed_shape = True
-
     """Keys and values in buffers for ``max_length`` tokens, as transformers' StaticCache keeps them. A decode token
     is written at the slot ``count`` (on the device) says and attention reads the whole buffer, the slots not yet
     written hidden by position, so every decode step is the same call (what a replayed CUDA graph needs); a prompt
     reads its first ``seen`` tokens (a view)."""
+
+    steps_at_fixed_shape = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
