@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short script for a lent GPU (about 9 minutes of an H200, 11.1 at every step's limit): kernel and graph
+# One short script for a lent GPU (at most 11.1 minutes: the sum of its steps' limits): kernel and graph
 # correctness, resources, one layer's attention graph-replayed, end to end on an 8B shape and on SmolLM2's, eager
 # and with plain decode steps replayed from CUDA graphs, a profile.
 # Usage (on the GPU machine, from the repository root): bash bench/gpu_check.sh [OUT_DIR]
