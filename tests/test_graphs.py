@@ -1,9 +1,9 @@
 """Decode steps replayed from a captured graph (qevict_core/generation/graphs.py), checked without a GPU.
 
 ``RecordedGraph`` stands in for ``torch.cuda.CUDAGraph`` with its semantics: capture records every operator with
-the very tensors it read and wrote (and refuses what a CUDA capture refuses: a read back, a copy from the host); replay runs the recorded operators again, no Python of the step, writing each
-result into the tensor the capture produced (a graph's fixed addresses), so a value the step took from the host at
-capture stays what it was then. Generation through it must give the eager tokens, moves and bytes; a step that
+the very tensors it read and wrote (and refuses what a CUDA capture refuses: a read back, a copy from the host);
+replay runs the recorded operators again, no Python of the step, writing each result into the tensor the capture
+produced (a graph's fixed addresses), so a value the step took from the host at capture stays what it was then. Generation through it must give the eager tokens, moves and bytes; a step that
 read a host counter it should have read from the device would replay a stale value and differ.
 """
 
