@@ -3,7 +3,7 @@
     python -m bench.tpot --methods fullkv,qevict,qevict_head --baseline qevict --context 4096 --new-tokens 64 \\
         --rounds 3 --threads 1 --out bench/results/tpot
     python -m bench.tpot --device cuda --model random:smollm2 --methods fullkv_static,qevict@triton \
-        --baseline fullkv_static --graphs   # every decode step replayed from CUDA graphs (qevict_core.generation.graphs)
+        --baseline fullkv_static --graphs   # decode steps replayed from CUDA graphs (qevict_core.generation.graphs)
 
 ``bench.speed`` runs every method in a fresh process, which its peak-memory figures need; but on a shared machine
 the model's own matrix products ran up to 25% slower in one process than in another started a minute later, which

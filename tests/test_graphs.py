@@ -1,10 +1,11 @@
 """Decode steps replayed from a captured graph (qevict_core/generation/graphs.py), checked without a GPU.
 
-``RecordedGraph`` stands in for ``torch.cuda.CUDAGraph`` with its semantics: capture records every operator with
-the very tensors it read and wrote (and refuses what a CUDA capture refuses: a read back, a copy from the host);
-replay runs the recorded operators again, no Python of the step, writing each result into the tensor the capture
-produced (a graph's fixed addresses), so a value the step took from the host at capture stays what it was then. Generation through it must give the eager tokens, moves and bytes; a step that
-read a host counter it should have read from the device would replay a stale value and differ.
+``RecordedGraph`` stands in for ``torch.cuda.CUDAGraph`` with its semantics: capture records every operator with the
+very tensors it read and wrote (and refuses what a CUDA capture refuses: a read back, a copy from the host); replay
+runs the recorded operators again, no Python of the step, writing each result into the tensor the capture produced
+(a graph's fixed addresses), so a value the step took from the host at capture stays what it was then. Generation
+through it must give the eager tokens, moves and bytes; a step that read a host counter it should have read from the
+device would replay a stale value and differ.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method,
                                             ("snapkv", QEvictConfig(budget=0.3))])
 def test_a_cache_whose_steps_follow_its_fill_is_refused(method, config):
     model = tiny_model("llama", 2)
-    with pytest.raises(ValueError, match="cannot replay its decode steps.*fullkv_static or a QEvict method on a GPU path"):
+    with pytest.raises(ValueError, match="cannot replay its decode steps.*or a QEvict method on a GPU path"):
         GraphedSteps(model, make_cache(method, model, config, max_length=400), graph_class=RecordedGraph)
 
 

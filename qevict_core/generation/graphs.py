@@ -1,8 +1,8 @@
 """Decode steps replayed from a captured CUDA graph: one launch for the whole model's step instead of hundreds.
 
 A cache whose one-token decode step is the same call at every fill (``replays_steps``: the QEvict family on the
-PyTorch or Triton path, ``fullkv_static``) writes its token at a slot it counts on the device and reads its tiers in place,
-so a step captured once replays at every later fill, as long as nothing it reads was reallocated or resized
+PyTorch or Triton path, ``fullkv_static``) writes its token at a slot it counts on the device and reads its tiers in
+place, so a step captured once replays at every later fill, as long as nothing it reads was reallocated or resized
 (``replay_key``). Plain steps and routing steps (``replays_routing``: once the tiers keep their sizes and storage
 across an event, every event is the same call too) each have a graph. The first step of a kind at given tiers runs
 eagerly, as a warm-up (a routing step whose event reallocated something is never captured); the next is captured
