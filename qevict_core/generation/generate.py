@@ -83,7 +83,7 @@ def generate_lanes(model, tokenizer, input_ids: torch.Tensor, lanes: list[Lane],
     ``prefill_chunk``: read the prompt in chunks of that many tokens (prefill.py), each lane alone: a staged
     cache's chunks attend to its own staged prompt, which no other lane's forward could stand in for.
 
-    ``graphs``: on CUDA, each lane decodes alone and replays its plain steps from a captured graph (graphs.py);
+    ``graphs``: on CUDA, each lane decodes alone and replays its decode steps from captured graphs (graphs.py);
     a ValueError before any step if the model is elsewhere or a lane's cache cannot replay its steps.
     """
     stop_ids = eos_ids(model, tokenizer) if sampling.stop_at_eos else set()
