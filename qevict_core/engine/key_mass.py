@@ -23,15 +23,18 @@ DENSE_MASK_QUERIES = 4
 
 def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor,
                     key_pos: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal softmax attention, float32: query (B, Hq, q, D), keys (B, Hkv, N, D) -> (B, Hkv, G, q, N).
+    """Causal softmax attention: query (B, Hq, q, D), keys (B, Hkv, N, D) -> (B, Hkv, G, q, N) float32.
 
     Query head h reads KV head h // G (G = Hq / Hkv), as transformers' ``repeat_kv`` does. For short query
     blocks (an observation window); longer ones go through :func:`kv_head_mass` in chunks.
+    The product runs in the query's dtype, the softmax in float32, as transformers' eager attention does: a 16-bit
+    model's keys and values are read as they are stored, never widened (a float32 copy of each at every step writes
+    and reads back twice their 16-bit bytes); a float32 model widens only a 16-bit cache.
     """
     b, hq, q, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     groups = hq // hkv
-    logits = torch.matmul(query.float().reshape(b, hkv, groups * q, d), keys.float().transpose(2, 3))
+    logits = torch.matmul(query.reshape(b, hkv, groups * q, d), keys.to(query.dtype).transpose(2, 3)).float()
     return causal_softmax(logits.mul_(scaling).view(b, hkv, groups, q, n), query_pos, key_pos)
 
 
@@ -85,7 +88,7 @@ def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.T
     """
     b, hq, q, d = query.shape
     probs = attention_probs(query, query_pos, keys, key_pos, scaling)  # (B, Hkv, G, q, N)
-    out = torch.matmul(probs.flatten(2, 3), values.float())  # (B, Hkv, G*q, D)
+    out = torch.matmul(probs.flatten(2, 3).to(query.dtype), values.to(query.dtype))  # (B, Hkv, G*q, D)
     out = out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)  # (B, q, Hq, D): head h reads KV head h // G
     return out, probs.sum(dim=(2, 3))
 
