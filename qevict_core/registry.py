@@ -189,6 +189,12 @@ METHODS: dict[str, MethodSpec] = {
         "He et al. 2024; ThisisBillhe/ZipCache (exact saliency instead of probe tokens)")),
 }
 
+def is_reference(name: str) -> bool:
+    """Whether ``name`` is FullKV, growing or static: what the studio compares every other lane with."""
+    spec = METHODS.get(name)
+    return spec is not None and spec.family == "reference"
+
+
 def method_names(ablations: bool = False) -> list[str]:
     """The product's methods, or every runnable name with ``ablations=True`` (nothing is imported)."""
     return [name for name, spec in METHODS.items() if ablations or spec.kind == "method"]

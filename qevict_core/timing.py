@@ -52,12 +52,13 @@ def interleaved_steps(model, prompt: torch.Tensor, caches: dict[str, object], ne
 
 
 def tpot_ratios(model, prompt: torch.Tensor, make_caches: Callable[[], dict[str, object]], baseline: str,
-                new_tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+                new_tokens: int, rounds: int, graphs: bool = False) -> dict[str, dict[str, float]]:
     """Per cache: the median over ``rounds`` (fresh caches each) of its mean step time ("tpot") and of that time
-    over ``baseline``'s in the same round ("ratio"), with the ratio's range over rounds."""
+    over ``baseline``'s in the same round ("ratio"), with the ratio's range over rounds. ``graphs``: as
+    ``interleaved_steps``."""
     per_round = []
     for _ in range(rounds):
-        steps = interleaved_steps(model, prompt, make_caches(), new_tokens)
+        steps = interleaved_steps(model, prompt, make_caches(), new_tokens, graphs=graphs)
         tpot = {name: sum(s for s, _ in st) / len(st) for name, st in steps.items()}
         per_round.append({name: (t, t / tpot[baseline]) for name, t in tpot.items()})
     return {name: {"tpot": statistics.median(r[name][0] for r in per_round),

@@ -200,3 +200,42 @@ def test_interleaved_timing_replays_every_lane(monkeypatch):
     steps = timing.interleaved_steps(model, random_prompt(300), caches, 30, graphs=True)
     assert {name: len(s) for name, s in steps.items()} == {"fullkv_static": 29, "qevict": 29}
     assert len(made) == 2 and all(m.replays["plain"] >= 15 for m in made)
+
+
+def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypatch):
+    """The studio's jobs (ui/jobs.py) on a GPU, the device and its graphs stood in for: where every lane can replay
+    its steps, each lane decodes alone from its graphs and yields the eager run's tokens; where one lane cannot
+    (the growing ``fullkv``), every lane shares eager forwards, so no lane is timed differently from another."""
+    from qevict_core.generation import generate, graphs
+    from qevict_core.testing import tiny_chat_model, tiny_tokenizer
+    from ui import jobs
+
+    def gpu_check(model, cache):  # the model stands on a GPU: only the cache's own capability is asked
+        if not cache.replays_steps:
+            raise ValueError(f"{cache.method} cannot replay")
+
+    made = []
+
+    def stepper(model, cache):
+        made.append(GraphedSteps(model, cache, RecordedGraph))
+        return made[-1]
+
+    monkeypatch.setattr(generate, "GraphedSteps", stepper)
+    model, tokenizer = tiny_chat_model(), tiny_tokenizer()
+    config = {"kernels": "torch", "omega": 8, "budget": 0.3, "record_events": True}  # as the studio's form sets
+
+    def texts(lanes) -> dict[str, str]:
+        job = jobs.RunJob(tuple(random_prompt(300)[0].tolist()), lanes, config, 40, 0.0, 0, "/nonexistent")
+        return {e["lane"]: e["text"] for batch in jobs.run_events(model, tokenizer, job) for e in batch
+                if e["kind"] == "done"}
+
+    lanes = (("FullKV", "fullkv_static"), ("QEvict", "qevict"))
+    eager = texts(lanes)
+    assert made == [] and len(eager) == 2  # on the CPU: shared eager forwards
+    monkeypatch.setattr(graphs, "require_graphs", gpu_check)
+    assert texts(lanes) == eager
+    assert len(made) == 2 and all(m.replays["plain"] >= 20 for m in made)
+    # routing events are recorded for the studio's views, so they run eagerly
+    assert all(m.replays["routing"] == 0 for m in made)
+    made.clear()
+    assert texts((("FullKV", "fullkv"), ("QEvict", "qevict"))) and made == []

@@ -110,12 +110,15 @@ def test_a_short_prompt_raises_only_the_lanes_that_need_it(studio):
     assert "keeps at least 33 tokens per head" in by_name["snapkv"]["note"]
 
 
-def test_at_a_budget_that_holds_everything_qevict_is_fullkv(studio):
-    final = list(studio.run(request("Why is the sky blue?", ("fullkv", "qevict"), budget=1.0, max_new=20)))[-1]
+@pytest.mark.parametrize("reference", ["fullkv", "fullkv_static"])  # the static layout: a GPU's graphed lanes
+def test_at_a_budget_that_holds_everything_qevict_is_fullkv(studio, reference):
+    final = list(studio.run(request("Why is the sky blue?", (reference, "qevict"), budget=1.0, max_new=20)))[-1]
     fullkv, qevict = final.view.lanes.values()
     assert qevict.tokens == fullkv.tokens and qevict.total_bytes <= fullkv.total_bytes
     assert qevict.tiers["quantized"] == qevict.tiers["evicted"] == 0 and not final.view.routed_lanes()
-    assert "this lane is FullKV" in qevict.note and "✓ same tokens as FullKV" in cards.lanes_html(final.view)
+    html = cards.lanes_html(final.view)
+    assert "this lane is FullKV" in qevict.note and "✓ same tokens as FullKV" in html
+    assert "the reference: nothing compressed" in html
 
 
 def test_run_streams_persists_and_replays_identically(studio):

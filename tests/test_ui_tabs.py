@@ -131,6 +131,12 @@ def test_time_the_lanes_alone_rebuilds_the_runs_lanes_and_times_them_interleaved
     assert ReplayHandlers(studio, TabRuns()).time_lanes("no-such-session").startswith("**Cannot time this run:**")
 
 
+def test_the_timing_baseline_is_fullkv_in_either_layout_wherever_its_lane_is(studio):
+    final = list(studio.run(request(methods=("qevict", "fullkv_static"), max_new=8)))[-1]
+    timing = studio.time_lanes(final.session_id, new_tokens=5)
+    assert timing.baseline == "fullkv_static"
+
+
 def test_the_promotion_example_sets_its_budget_and_a_layer_this_model_has(studio):
     from ui.examples import PROMOTION
     found = json.loads(PROMOTION.read_text())

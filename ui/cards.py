@@ -7,6 +7,7 @@ import html
 import re
 
 from qevict_core.events import RoutingEvent
+from qevict_core.registry import is_reference
 
 from .view import LaneView, RunView
 
@@ -53,7 +54,7 @@ def verdict(view: RunView, lane: LaneView) -> list[tuple[str, str]]:
         else:
             pills.append(("qe-answer qe-bad", f"✗ missed the answer “{expected}”"))
     agreement = view.agreement().get(lane.name)
-    if lane.method == "fullkv":
+    if is_reference(lane.method):
         pills.append(("qe-agree qe-same", "the reference: nothing compressed"))
     elif agreement is not None:
         share, prefix = agreement

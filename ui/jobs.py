@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 
 from qevict_core import Lane, QEvictConfig, Sampling, generate_lanes, make_cache
+from qevict_core.generation.graphs import can_replay
 
 from .cpu_threads import RunThreads
 
@@ -63,7 +64,9 @@ def run_seconds(job: RunJob) -> int:
 
 def run_events(model, tokenizer, job: RunJob) -> Iterator[list[dict]]:
     """The run's events as dicts, one list per lane-step (the lane's token, its routing events, its memory
-    report) and the lanes' ends; it stops once ``job.stop_file`` exists, after the step in flight."""
+    report) and the lanes' ends; it stops once ``job.stop_file`` exists, after the step in flight. On a GPU where
+    every lane's decode steps can replay from CUDA graphs (``fullkv_static`` and the QEvict methods), each lane
+    decodes alone from its graphs; otherwise the lanes share eager forwards."""
     lanes = job.caches(model)
     sampling = Sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, seed=job.seed)
     ids = torch.tensor([job.input_ids])
@@ -71,7 +74,8 @@ def run_events(model, tokenizer, job: RunJob) -> Iterator[list[dict]]:
     threads = RunThreads(next(model.parameters()).device, job.threads)  # the prompt on the free cores
     try:
         for event in generate_lanes(model, tokenizer, ids, lanes, sampling,
-                                    should_stop=lambda: os.path.exists(job.stop_file)):
+                                    should_stop=lambda: os.path.exists(job.stop_file),
+                                    graphs=can_replay(model, [lane.cache for lane in lanes])):
             pending.append(event.to_dict())
             if event.kind in ("memory", "done"):
                 yield pending
@@ -101,14 +105,16 @@ def timing_seconds(job: TimingJob) -> int:
 
 
 def time_lanes(model, job: TimingJob) -> dict[str, dict[str, float]]:
-    """Per lane: ms per token alone and the ratio to the baseline lane (``qevict_core.timing.tpot_ratios``)."""
+    """Per lane: ms per token alone and the ratio to the baseline lane (``qevict_core.timing.tpot_ratios``),
+    every lane replayed from CUDA graphs where all of them can be, as the run decodes."""
     from qevict_core.timing import tpot_ratios
 
     run = RunJob(job.input_ids, job.lanes, job.config, job.new_tokens, 0.0, 0, "")
     device = next(model.parameters()).device
+    graphs = can_replay(model, [lane.cache for lane in run.caches(model)])
     return tpot_ratios(model, torch.tensor([job.input_ids], device=device),
                        lambda: {lane.name: lane.cache for lane in run.caches(model)}, job.baseline,
-                       job.new_tokens, job.rounds)
+                       job.new_tokens, job.rounds, graphs=graphs)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from qevict_core import BudgetRaised, Lane, QEvictConfig, Sampling, make_cache
 from qevict_core.config import BITS, SCORERS
 from qevict_core.events import Event, event_from_dict
-from qevict_core.registry import METHODS
+from qevict_core.registry import METHODS, is_reference
 from storage import SessionStore
 from storage.schema import parse_stored
 
@@ -262,7 +262,7 @@ class Studio:
                          QEvictConfig.from_dict(request["config"]), Sampling(max_new_tokens=new_tokens))
         input_ids, _, spec = self.prepare(req)
         names = [lane["name"] for lane in spec["lanes"]]
-        baseline = "fullkv" if "fullkv" in names else names[0]
+        baseline = next((lane["name"] for lane in spec["lanes"] if is_reference(lane["method"])), names[0])
         job = TimingJob(tuple(input_ids[0].tolist()), tuple((lane["name"], lane["method"]) for lane in spec["lanes"]),
                         req.config.to_dict(), new_tokens, rounds, baseline)
         timed = self.timed(job)  # on the model's one worker (Gradio's "gpu" queue), never beside a generation

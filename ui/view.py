@@ -12,6 +12,7 @@ from typing import Any
 
 from qevict_core.engine.layout import WindowGrid
 from qevict_core.events import Event, RoutingEvent
+from qevict_core.registry import is_reference
 
 
 @dataclass
@@ -128,7 +129,7 @@ class RunView:
         return f"layer {layer}, KV head {head}" if per_head else f"layer {layer}"
 
     def reference(self) -> LaneView | None:
-        return next((lane for lane in self.lanes.values() if lane.method == "fullkv"), None)
+        return next((lane for lane in self.lanes.values() if is_reference(lane.method)), None)
 
     def agreement(self) -> dict[str, tuple[float, int]]:
         """Per lane: (fraction of positions equal to FullKV's tokens, identical prefix length)."""

@@ -36,6 +36,18 @@ def require_graphs(model, cache) -> None:
         raise ValueError(_CANNOT.format(method=cache.method))
 
 
+def can_replay(model, caches) -> bool:
+    """Whether every one of ``caches`` can replay its decode steps from CUDA graphs on ``model``: what a caller that
+    may run anywhere (the studio) asks before it passes ``graphs=True``, so that its lanes are all graphed or all
+    eager, never timed differently."""
+    try:
+        for cache in caches:
+            require_graphs(model, cache)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass
 class _Slot:
     """One captured step: the plain step's or the routing step's, valid while ``key`` holds."""
@@ -61,6 +73,7 @@ class GraphedSteps:
         self.slots = {"plain": _Slot(), "routing": _Slot()}
         self.replays = {"plain": 0, "routing": 0}
 
+    @torch.inference_mode()  # as every forward of this library: a step's tensors join no autograd graph
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """token (B, 1) on the model's device."""
         cache = self.cache
