@@ -20,6 +20,29 @@ def test_kmeans_levels_fit_bell_shaped_data_better_than_uniform_ones():
         assert nuq < 0.8 * flat, (bits, nuq, flat)
 
 
+def _lloyd_every_iteration(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fit as the committed rows ran it: every one of the KMEANS_ITERATIONS Lloyd steps."""
+    from qevict_core.baselines.kvquant import KMEANS_ITERATIONS
+
+    m = 1 << bits
+    levels = torch.quantile(x, (torch.arange(m, dtype=torch.float32) + 0.5) / m)
+    for _ in range(KMEANS_ITERATIONS):
+        nearest = (x[:, None] - levels[None]).abs().argmin(dim=1)
+        sums = torch.zeros(m).index_add_(0, nearest, x)
+        counts = torch.zeros(m).index_add_(0, nearest, torch.ones_like(x))
+        levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels)
+    return levels.sort().values
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_fit_stops_at_a_fixed_point_with_the_levels_of_every_iteration(bits, seed):
+    """Stopping once an iteration leaves the levels unchanged gives the same bits as running them all."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.randn(30000, generator=gen) / 3, torch.rand(5000, generator=gen) * 2 - 1]).clamp(-1, 1)
+    assert torch.equal(fit_levels(x, bits), _lloyd_every_iteration(x, bits))
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_outliers_come_back_exactly_and_inliers_within_the_level_spacing(bits):
     # The tiny model has 2 heads of 16 channels: 1% of a token's 32 values rounds to no outlier, so take 10%.
