@@ -239,3 +239,31 @@ def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypat
     assert all(m.replays["routing"] == 0 for m in made)
     made.clear()
     assert texts((("FullKV", "fullkv"), ("QEvict", "qevict"))) and made == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the stand-in runs above)")
+def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone(monkeypatch):
+    """On CUDA, with real graphs: the studio's run gives each lane the tokens it gives decoding alone, eagerly."""
+    from qevict_core import Sampling, generate_lanes
+    from qevict_core.generation import generate
+    from qevict_core.testing import tiny_chat_model, tiny_tokenizer
+    from ui import jobs
+
+    made = []
+
+    def stepper(model, cache):
+        made.append(GraphedSteps(model, cache))
+        return made[-1]
+
+    monkeypatch.setattr(generate, "GraphedSteps", stepper)
+    model, tokenizer = tiny_chat_model().cuda(), tiny_tokenizer()
+    config = {"kernels": "torch", "omega": 8, "budget": 0.3, "record_events": True}
+    prompt = tuple(random_prompt(300)[0].tolist())
+    job = jobs.RunJob(prompt, (("FullKV", "fullkv_static"), ("QEvict", "qevict")), config, 40, 0.0, 0, "/nonexistent")
+    graphed = {e["lane"]: e["text"] for batch in jobs.run_events(model, tokenizer, job) for e in batch
+               if e["kind"] == "done"}
+    assert len(made) == 2 and all(m.replays["plain"] >= 20 for m in made)
+    sampling = Sampling(max_new_tokens=40, temperature=0.0, seed=0)
+    alone = {e.lane: e.text for e in generate_lanes(model, tokenizer, torch.tensor([prompt]), job.caches(model),
+                                                    sampling, together=False) if e.kind == "done"}
+    assert graphed == alone and len(made) == 2
