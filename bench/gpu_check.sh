@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short script for a lent GPU (at most 11.1 minutes: the sum of its steps' limits): kernel and graph
+# One short script for a lent GPU (at most 11.4 minutes: the sum of its steps' limits): kernel and graph
 # correctness, resources, one layer's attention graph-replayed, end to end on an 8B shape and on SmolLM2's, eager
 # and with plain decode steps replayed from CUDA graphs, a profile.
 # Usage (on the GPU machine, from the repository root): bash bench/gpu_check.sh [OUT_DIR]
@@ -26,10 +26,11 @@ step kernels "${KERNELS_S:-60}" "$py" -m bench.kernels attention --device cuda -
 step speed_8k "${SPEED_S:-90}" "$py" -m bench.speed --device cuda --model random:llama-8b \
   --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 \
   --contexts 8192 --batch 8 --new-tokens 48 --repeats 2 --out "$out/speed"
-# 4b. the same with decode steps replayed from CUDA graphs (FullKV static, QEvict's fused kernel and PyTorch path)
-step graphs_8k "${GRAPHS_S:-90}" "$py" -m bench.speed --device cuda --model random:llama-8b --graphs \
-  --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 8192 --batch 8 \
-  --new-tokens 48 --repeats 2 --out "$out/graphs"
+# 4b. the same with decode steps replayed from CUDA graphs (FullKV static, QEvict's fused kernel and PyTorch path,
+# SnapKV in fixed buffers)
+step graphs_8k "${GRAPHS_S:-110}" "$py" -m bench.speed --device cuda --model random:llama-8b --graphs \
+  --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 --contexts 8192 \
+  --batch 8 --new-tokens 48 --repeats 2 --out "$out/graphs"
 step graphs_8k_b1 "${GRAPHS_S:-45}" "$py" -m bench.speed --device cuda --model random:llama-8b --graphs \
   --methods fullkv_static,qevict@triton --baseline fullkv_static --budget 0.2 --contexts 8192 --batch 1 \
   --new-tokens 48 --repeats 2 --out "$out/graphs"
@@ -44,8 +45,8 @@ step smollm2 "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:s
   --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
   --batch 1 --new-tokens 64 --repeats 2 --out "$out/smollm2"
 step smollm2_graphs "${SMOL_S:-50}" "$py" -m bench.tpot --device cuda --model random:smollm2 --graphs \
-  --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
-  --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
+  --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 \
+  --contexts 2048,4096 --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
 # 6. where a decode step of the fused path spends its time
 step profile "${PROFILE_S:-40}" "$py" -m bench.profile_decode --device cuda --model random:llama-8b \
   --method qevict@triton --context 8192 --batch 8 --steps 16 --out "$out/profile"

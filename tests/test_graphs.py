@@ -82,6 +82,8 @@ def _generate(model, cache, prompt: torch.Tensor, steps: int, graph_class=None):
 
 # the default's sizing, Eq. 3's (a full tier: promotions), FullKV; batch 2 (rows route apart)
 CASES = [("qevict", 0.7, 1), ("qevict", None, 1), ("fullkv_static", None, 1), ("qevict", None, 2)]
+# what a GPU lays out in fixed buffers (on the CPU, tests/test_eviction_fixed.py forces SnapKV's)
+CUDA_CASES = CASES + [("fullkv", None, 1), ("snapkv", None, 1), ("snapkv", None, 2)]
 
 
 def _compare(method: str, coverage, batch: int, device: str, graph_class, kernels: str = "torch") -> None:
@@ -94,7 +96,7 @@ def _compare(method: str, coverage, batch: int, device: str, graph_class, kernel
     assert graphed[:3] == eager[:3]
     # most plain steps replay: each event's step and the first plain step after a change of the tiers run eagerly
     replays = graphed[3].replays
-    assert replays["plain"] >= steps // 2 and (method == "fullkv_static" or replays["routing"] >= 3), replays
+    assert replays["plain"] >= steps // 2 and (not made[1].replays_routing or replays["routing"] >= 3), replays
 
 
 @pytest.mark.parametrize("method, coverage, batch", CASES)
@@ -104,7 +106,7 @@ def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (RecordedGraph stands in above)")
 @pytest.mark.parametrize("kernels", ["torch", "triton"])  # the stand-in replays no Triton launch: a GPU only
-@pytest.mark.parametrize("method, coverage, batch", CASES)
+@pytest.mark.parametrize("method, coverage, batch", CUDA_CASES)
 def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch, kernels):
     _compare(method, coverage, batch, "cuda", torch.cuda.CUDAGraph, kernels)
 
@@ -205,10 +207,15 @@ def test_interleaved_timing_replays_every_lane(monkeypatch):
 def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypatch):
     """The studio's jobs (ui/jobs.py) on a GPU, the device and its graphs stood in for: where every lane can replay
     its steps, each lane decodes alone from its graphs and yields the eager run's tokens; where one lane cannot
-    (the growing ``fullkv``), every lane shares eager forwards, so no lane is timed differently from another."""
+    (the growing ``fullkv``), every lane shares eager forwards, so no lane is timed differently from another. The
+    form's default lanes, laid out as a GPU lays them out, all replay."""
+    from qevict_core.engine import cache_base
     from qevict_core.generation import generate, graphs
     from qevict_core.testing import tiny_chat_model, tiny_tokenizer
     from ui import jobs
+    from ui.form import Controls
+
+    real_check = graphs.require_graphs
 
     def gpu_check(model, cache):  # the model stands on a GPU: only the cache's own capability is asked
         if not cache.replays_steps:
@@ -239,6 +246,14 @@ def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypat
     assert all(m.replays["routing"] == 0 for m in made)
     made.clear()
     assert texts((("FullKV", "fullkv"), ("QEvict", "qevict"))) and made == []
+    # the form's default lanes, laid out as a GPU lays them out (FullKV and SnapKV in fixed buffers): all replay
+    monkeypatch.setattr(cache_base, "lays_out_for_graphs", lambda model: True)
+    defaults = tuple((m, m) for m in (Controls.lane1, Controls.lane2, Controls.lane3))
+    monkeypatch.setattr(graphs, "require_graphs", real_check)
+    eager = texts(defaults)
+    monkeypatch.setattr(graphs, "require_graphs", gpu_check)
+    assert texts(defaults) == eager and len(eager) == 3
+    assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the stand-in runs above)")
@@ -248,6 +263,7 @@ def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone
     from qevict_core.generation import generate
     from qevict_core.testing import tiny_chat_model, tiny_tokenizer
     from ui import jobs
+    from ui.form import Controls
 
     made = []
 
@@ -259,11 +275,12 @@ def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone
     model, tokenizer = tiny_chat_model().cuda(), tiny_tokenizer()
     config = {"kernels": "torch", "omega": 8, "budget": 0.3, "record_events": True}
     prompt = tuple(random_prompt(300)[0].tolist())
-    job = jobs.RunJob(prompt, (("FullKV", "fullkv_static"), ("QEvict", "qevict")), config, 40, 0.0, 0, "/nonexistent")
+    lanes = tuple((m, m) for m in (Controls.lane1, Controls.lane2, Controls.lane3))  # the form's default lanes
+    job = jobs.RunJob(prompt, lanes, config, 40, 0.0, 0, "/nonexistent")
     graphed = {e["lane"]: e["text"] for batch in jobs.run_events(model, tokenizer, job) for e in batch
                if e["kind"] == "done"}
-    assert len(made) == 2 and all(m.replays["plain"] >= 20 for m in made)
+    assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
     sampling = Sampling(max_new_tokens=40, temperature=0.0, seed=0)
     alone = {e.lane: e.text for e in generate_lanes(model, tokenizer, torch.tensor([prompt]), job.caches(model),
                                                     sampling, together=False) if e.kind == "done"}
-    assert graphed == alone and len(made) == 2
+    assert graphed == alone and len(made) == 3

@@ -20,10 +20,14 @@ import torch
 
 from ..engine.attention import sdpa_with_positions
 from ..engine.budget import ID_BYTES, SCORE_BYTES, BudgetTooSmall, KVShape, budget_bytes_of
+from ..engine import cache_base
 from ..engine.cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
 from .policies.base import Policy, ScoreInputs
 from ..engine.key_mass import attention_probs, kv_head_mass
+
+
+COUNTER_BYTES = torch.empty(0, dtype=torch.long).element_size()  # a fixed-buffer layer's device counter
 
 
 @dataclass(frozen=True)
@@ -32,12 +36,14 @@ class EvictionPlan:
     capacity: int  # tokens per KV head per layer (average, for per-head-budget policies)
 
 
-def plan_eviction(shape: KVShape, cfg: QEvictConfig, policy: Policy, max_length: int) -> EvictionPlan:
+def plan_eviction(shape: KVShape, cfg: QEvictConfig, policy: Policy, max_length: int,
+                  counter_bytes: int = 0) -> EvictionPlan:
+    """``counter_bytes``: what each layer keeps besides its tokens (fixed buffers' device counter)."""
     budget = budget_bytes_of(shape, cfg, max_length)
     per_token = 2 * shape.batch * shape.head_dim * shape.element_size
     if policy.scores_from == "all":
         per_token += shape.batch * SCORE_BYTES
-    fixed = shape.num_kv_heads * ID_BYTES if policy.ragged else 0
+    fixed = (shape.num_kv_heads * ID_BYTES if policy.ragged else 0) + counter_bytes
     capacity = max(0, budget // shape.num_layers - fixed) // (shape.num_kv_heads * per_token)
     # A sequence that fits whole is never compressed, so the policy's own minimum does not apply to it.
     least = min(policy.min_capacity(), max_length)
@@ -189,16 +195,28 @@ class EvictionLayer(ReportingLayer):
 
 
 class EvictionCache(ReportingCache):
-    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int, policy: Policy, method: str):
+    """``fixed_buffers``: decode in fixed buffers (eviction_fixed.py), so that a CUDA graph can replay the steps;
+    None: on a GPU, where the policy can (``Policy.decodes_in_place``), and in chronological lists elsewhere."""
+
+    def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int, policy: Policy, method: str,
+                 fixed_buffers: bool | None = None):
         if policy.ragged and batch_size != 1:
             raise ValueError(f"{policy.label} keeps a different number of tokens per head and supports batch size 1 "
                              f"only (got {batch_size})")
+        if fixed_buffers and not policy.decodes_in_place:
+            raise ValueError(f"{policy.label} cannot decode in fixed buffers: only a policy that selects once, after "
+                             "the prompt, the same count in every head can (StreamingLLM, SnapKV, CriticalKV)")
+        if fixed_buffers is None:
+            fixed_buffers = policy.decodes_in_place and cache_base.lays_out_for_graphs(model)
         self.method = method
         self.policy = policy
         shape = KVShape.from_model(model, batch_size, config)
-        self.plan = plan_eviction(shape, config, policy, max_length)
+        self.plan = plan_eviction(shape, config, policy, max_length, COUNTER_BYTES if fixed_buffers else 0)
         self.evicted = 0
-        layers = [EvictionLayer(i, self) for i in range(shape.num_layers)]
+        layer_class = EvictionLayer
+        if fixed_buffers:
+            from .eviction_fixed import FixedEvictionLayer as layer_class
+        layers = [layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
         self.config = config  # what it was made with (make_cache reports it per lane)
 

@@ -1,9 +1,10 @@
 """The uncompressed reference: every token in full precision, reported like every other method.
 
-``fullkv`` grows with the sequence, as transformers' DynamicCache does: the bytes a run holds are its tokens', which
-the studio draws step by step. ``fullkv_static`` holds room for ``max_length`` tokens from the start and writes each
-token in place, as a server or transformers' StaticCache does: no copy of the cache per step, the fair baseline
-of a speed comparison on a GPU (the growing one re-concatenates every layer's keys and values at every step)."""
+On a CPU ``fullkv`` grows with the sequence, as transformers' DynamicCache does: the bytes a run holds are its
+tokens', which the studio draws step by step. On a GPU it holds room for ``max_length`` tokens from the start and
+writes each token in place, as a server or transformers' StaticCache does (``fullkv_static`` everywhere): no copy of
+the cache per step, and every decode step one call, so a CUDA graph can replay it - the fair baseline of a speed
+comparison there (the growing one re-concatenates every layer's keys and values at every step)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from ..engine.budget import KVShape
 from ..engine.attention import sdpa_with_positions
+from ..engine import cache_base
 from ..engine.cache_base import ReportingCache, ReportingLayer, tensor_key
 from ..config import QEvictConfig
 
@@ -36,11 +38,15 @@ class FullKVLayer(ReportingLayer):
 class FullKVCache(ReportingCache):
     method = "fullkv"
     chunked_prefill = "exact"
-    layer_class: type = FullKVLayer
+    fixed_buffers: bool | None = None  # None: in fixed buffers on a GPU, growing elsewhere
 
     def __init__(self, model, config: QEvictConfig | None, max_length: int, batch_size: int = 1):
         shape = KVShape.from_model(model, batch_size, config)
-        layers = [self.layer_class(i, self) for i in range(shape.num_layers)]
+        fixed = self.fixed_buffers
+        if fixed is None:
+            fixed = cache_base.lays_out_for_graphs(model)
+        layer_class = StaticFullKVLayer if fixed else FullKVLayer
+        layers = [layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, budget_bytes=None)
         self.config = config  # what it was made with (make_cache reports it per lane)
 
@@ -100,4 +106,4 @@ class StaticFullKVLayer(FullKVLayer):
 
 class StaticFullKVCache(FullKVCache):
     method = "fullkv_static"
-    layer_class = StaticFullKVLayer
+    fixed_buffers = True

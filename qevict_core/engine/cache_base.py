@@ -242,6 +242,12 @@ def _attention_modules(model, num_layers: int) -> list:
     return [found[i] for i in range(num_layers)]
 
 
+def lays_out_for_graphs(model) -> bool:
+    """Whether caches made for ``model`` lay their decode steps out for CUDA graphs where they can (fixed buffers,
+    the same call at every fill): on a GPU, where graphs replay; elsewhere the layouts that follow the fill."""
+    return next(model.parameters()).device.type == "cuda"
+
+
 def tensor_key(*tensors: torch.Tensor | None) -> tuple:
     """(shape, dtype, address) of each tensor, None for none: what a captured graph reads in place."""
     return tuple(None if t is None else (tuple(t.shape), t.dtype, t.data_ptr()) for t in tensors)

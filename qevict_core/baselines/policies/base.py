@@ -49,6 +49,12 @@ class Policy:
 
     window: int = 32  # observation window (prefill policies) or protected recent tokens (step policies)
 
+    @property
+    def decodes_in_place(self) -> bool:
+        """Whether its cache can decode in fixed buffers (eviction_fixed.py): one selection after the prompt, the
+        same count in every head, nothing scored while decoding."""
+        return self.compress_at == "prefill" and self.scores_from != "all" and not self.ragged and not self.cross_layer
+
     @classmethod
     def from_config(cls, config) -> Policy:
         """The policy a lane of this config runs (a policy that reads a QEvictConfig field overrides this)."""

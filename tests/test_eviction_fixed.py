@@ -1,0 +1,131 @@
+"""Prefill-only eviction baselines in fixed buffers (qevict_core/baselines/eviction_fixed.py): what a GPU runs, so
+that a CUDA graph replays their decode steps. Checked here on the CPU, the layout forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qevict_core import QEvictConfig
+from qevict_core.baselines.eviction import EvictionCache
+from qevict_core.generation.graphs import GraphedSteps
+from qevict_core.generation.model_call import call
+from qevict_core.registry import METHODS
+from tests.conftest import random_prompt, tiny_model
+from tests.test_capture import REFUSED, RecordCalls
+from tests.test_graphs import RecordedGraph, _generate, _host_state
+
+PROMPT, MAX_LENGTH = 300, 400
+
+
+def _cache(model, method: str, fixed: bool, budget: float = 0.3) -> EvictionCache:
+    config = QEvictConfig(budget=budget)
+    return EvictionCache(model, config, MAX_LENGTH, 1, METHODS[method].policy.from_config(config), method,
+                         fixed_buffers=fixed)
+
+
+def _decode(model, cache, tokens: list[int]) -> None:
+    """The prompt, then ``tokens`` one per forward (the same tokens whatever the cache keeps)."""
+    with torch.inference_mode():
+        call(model, random_prompt(PROMPT), cache, logits_to_keep=1)
+        for token in tokens:
+            position = torch.tensor([cache.get_seq_length()])
+            call(model, torch.tensor([[token]]), cache, logits_to_keep=1, cache_position=position,
+                 position_ids=position[None])
+
+
+def test_the_buffer_holds_the_sinks_and_the_newest_tokens_once_it_rolls():
+    """StreamingLLM in fixed buffers, decoded past its limit: layer 0 (whose keys depend on the tokens and their
+    positions only) holds FullKV's keys of the sinks and of the newest L - sinks positions, each once."""
+    model = tiny_model("llama", 2)
+    cache, reference = _cache(model, "streamingllm", True), _cache(model, "streamingllm", False, budget=1.0)
+    tokens = random_prompt(90, seed=3)[0].tolist()
+    _decode(model, cache, tokens)
+    _decode(model, reference, tokens)
+    layer = cache.layers[0]
+    keys, sinks, limit = layer.key_buffer, layer.frozen[0], layer.key_buffer.shape[2]
+    assert sinks == 5 and PROMPT + len(tokens) > limit + 20  # it rolled for more than 20 steps
+    full = torch.stack(reference.layers[0].keys, dim=1)  # (B, H, N, D): every token (the budget holds them all)
+    seen = PROMPT + len(tokens)
+    kept = list(range(sinks)) + list(range(seen - (limit - sinks), seen))
+    expected = full[:, :, kept]
+    for h in range(keys.shape[1]):  # the same rows, in the ring's order
+        rows = sorted(map(tuple, keys[0, h].float().tolist()))
+        assert rows == sorted(map(tuple, expected[0, h].float().tolist()))
+    assert cache.summary()["evictions"] == len(cache.layers) * (seen - limit)  # per head, over the layers
+    report = cache.memory_report()
+    assert report["total_bytes"] <= cache.budget_bytes
+    assert report["components"]["index"] == len(cache.layers) * 8  # the device counters, paid from the budget
+
+
+def test_it_reads_what_the_lists_read_until_a_token_leaves():
+    """SnapKV: the prompt's selection moves into the buffers as it is, and greedy decoding gives the lists' tokens
+    while the buffer fills (the two differ by the token that leaves once it is full: eviction_fixed.py)."""
+    model = tiny_model("llama", 2)
+    lists, fixed = _cache(model, "snapkv", False), _cache(model, "snapkv", True)
+    with torch.inference_mode():
+        call(model, random_prompt(PROMPT), lists, logits_to_keep=1)
+        call(model, random_prompt(PROMPT), fixed, logits_to_keep=1)
+    for a, b in zip(lists.layers, fixed.layers):
+        assert torch.equal(torch.stack(a.keys, dim=1), b.key_buffer[:, :, :a.keys[0].shape[1]])
+        room = b.key_buffer.shape[2] - a.keys[0].shape[1]
+    assert room > 10
+    lists, fixed = _cache(model, "snapkv", False), _cache(model, "snapkv", True)
+    eager_lists = _generate(model, lists, random_prompt(PROMPT), room)
+    eager_fixed = _generate(model, fixed, random_prompt(PROMPT), room)
+    assert eager_fixed[0] == eager_lists[0]
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "criticalkv"])
+def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rolling(method):
+    model = tiny_model("llama", 2)
+    steps = 60  # past the limit: the ring rolls
+    eager = _generate(model, _cache(model, method, True), random_prompt(PROMPT), steps)
+    graphed = _generate(model, _cache(model, method, True), random_prompt(PROMPT), steps, RecordedGraph)
+    assert graphed[:3] == eager[:3] and graphed[2]["evictions"] > 0
+    assert graphed[3].replays["plain"] >= steps - 3
+
+
+def test_every_decode_step_is_one_call_asking_the_host_nothing():
+    """Steps while the buffer fills and after it rolls: the same operators, shapes and arguments, none that waits
+    for the device (what a CUDA capture refuses)."""
+    model = tiny_model("llama", 2)
+    cache = _cache(model, "snapkv", True)
+    calls = []
+    with torch.inference_mode():
+        token = call(model, random_prompt(PROMPT), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        limit, written = cache.layers[0].key_buffer.shape[2], cache.layers[0].written
+        for _ in range(limit - written + 5):
+            position = torch.tensor([cache.get_seq_length()])
+            mode = RecordCalls()
+            with mode:
+                token = call(model, token, cache, logits_to_keep=1, cache_position=position,
+                             position_ids=position[None]).logits[:, -1].argmax(-1, keepdim=True)
+            calls.append(mode.calls)
+    assert cache.layers[0].written > limit
+    assert all(c == calls[0] for c in calls)
+    assert not {name for call_ in calls[0] for name in [call_[0].rsplit(".", 1)[0]]} & REFUSED
+
+
+def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances():
+    model = tiny_model("llama", 2)
+    twins = [_cache(model, "snapkv", True) for _ in range(2)]
+    for cache in twins:
+        _decode(model, cache, [7] * 40)  # the ring has rolled
+    key, before = twins[0].replay_key(), _host_state(twins[0])
+    with torch.inference_mode():
+        call(model, torch.tensor([[7]]), twins[0], logits_to_keep=1)
+    assert twins[0].replay_key() == key
+    twins[1].replayed(1)
+    after = _host_state(twins[0])
+    assert after != before and after == _host_state(twins[1])
+    assert twins[0].summary() == twins[1].summary()
+
+
+def test_a_policy_that_cannot_is_refused_and_the_cpu_keeps_the_lists():
+    model = tiny_model("llama", 2)
+    with pytest.raises(ValueError, match="H2O cannot decode in fixed buffers: only a policy that selects once"):
+        _cache(model, "h2o", True)
+    assert not _cache(model, "snapkv", None).replays_steps  # a CPU model: the chronological lists
+    with pytest.raises(ValueError, match="cannot replay its decode steps"):
+        GraphedSteps(model, _cache(model, "snapkv", None), graph_class=RecordedGraph)
