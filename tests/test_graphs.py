@@ -169,14 +169,17 @@ def test_cuda_graphs_without_a_gpu_are_refused_before_any_step():
 
 
 def test_the_speed_benchmark_replays_every_method_it_graphs(monkeypatch):
-    """bench.speed --graphs on a GPU, run here through the stand-in: the row counts the replayed steps, and the
-    flag is refused in one line where there is no GPU."""
+    """bench.speed --graphs on a GPU, run here through the stand-in (SnapKV in a GPU's fixed buffers): the row counts
+    the replayed steps, and the flag is refused in one line where there is no GPU."""
     from bench import speed
 
+    from qevict_core.engine import cache_base
+
     monkeypatch.setattr(speed, "GraphedSteps", lambda model, cache: GraphedSteps(model, cache, RecordedGraph))
+    monkeypatch.setattr(cache_base, "lays_out_for_graphs", lambda model: True)  # SnapKV as a GPU lays it out
     model = tiny_model("llama", 2)
     prompt = random_prompt(300)
-    for method in ("fullkv_static", "qevict@torch"):
+    for method in ("fullkv_static", "qevict@torch", "snapkv"):
         row = speed.one_run(model, method, 0.3, prompt, 70, graphs=True)  # eight events at Ω = 8
         assert row["replayed_plain"] >= 10 and row["tpot"] > 0
         assert (row["replayed_routing"] > 0) == (method == "qevict@torch")
@@ -284,3 +287,24 @@ def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone
     alone = {e.lane: e.text for e in generate_lanes(model, tokenizer, torch.tensor([prompt]), job.caches(model),
                                                     sampling, together=False) if e.kind == "done"}
     assert graphed == alone and len(made) == 3
+
+
+def test_fullkv_as_a_gpu_lays_it_out_grows_by_chunks_and_replays_between_growths(monkeypatch):
+    """``fullkv`` in a GPU's layout: buffers grown ``grow_by`` tokens at a time, the bytes within a chunk of the
+    tokens'; a step that must grow runs eagerly and the graph is captured again after it; the tokens are those of
+    the growing cache on the CPU."""
+    from qevict_core.baselines.fullkv import FullKVCache
+    from qevict_core.engine import cache_base
+
+    model, steps = tiny_model("llama", 2), 60
+    on_cpu = _generate(model, make_cache("fullkv", model, QEvictConfig(), max_length=400), random_prompt(300), steps)
+    monkeypatch.setattr(cache_base, "lays_out_for_graphs", lambda model: True)
+    monkeypatch.setattr(FullKVCache, "grow_by", 16)
+    runs = [_generate(model, make_cache("fullkv", model, QEvictConfig(), max_length=400), random_prompt(300), steps,
+                      graph_class) for graph_class in (None, RecordedGraph)]
+    assert runs[1][:3] == runs[0][:3] and runs[0][0] == on_cpu[0]
+    per_token = on_cpu[1][0][0] // (300 + 1)  # bytes of one token, every layer
+    for total, _, seen in runs[0][1]:
+        assert seen * per_token <= total < (seen + 16) * per_token
+    # each growth: the step that grows, a warm-up and the capture run the step's Python; so do the first two steps
+    assert runs[1][3].replays["plain"] >= steps - 2 - 3 * (steps // 16 + 1)
