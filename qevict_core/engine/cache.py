@@ -107,7 +107,20 @@ class QEvictCache(ReportingCache):
 
     @property
     def replays_routing(self) -> bool:
-        return self.replays_steps and not self.config.record_events  # an event's record is read on the host
+        return self.replays_steps
+
+    def record_routing(self, layer, old: tuple[torch.Tensor, torch.Tensor], aged: torch.Tensor) -> None:
+        """A routing event of ``layer`` to record (``config.record_events``): ``old`` copies of its full and
+        quantized tiers' ids before the move, ``aged`` (B, n) the windows that left the recent region. Read on the
+        host now; while a graph captures the step, after each of its replays (``replayed_records``)."""
+        if self.capture_records is not None:
+            self.capture_records.append((layer, old, aged))
+        else:
+            self.events.append(layer.routing_event(old, aged[0].tolist()))
+
+    def replayed_records(self, records: list) -> None:
+        for layer, old, aged in records:  # the tensors a captured step wrote its records into
+            self.events.append(layer.routing_event(old, aged[0].tolist()))
 
     def end_forward(self) -> None:
         self._rope_table = None  # transient: nothing of it persists to the next step

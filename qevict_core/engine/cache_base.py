@@ -160,6 +160,12 @@ class ReportingCache(Cache):
         """Whether the next forward of ``num_tokens`` would move tokens between tiers (never, by default)."""
         return False
 
+    # While a graph captures a step: what the step records for the host (a list), read after each replay
+    capture_records: list | None = None
+
+    def replayed_records(self, records: list) -> None:
+        """The host half of what a replayed step records (events), from the tensors its capture wrote them to."""
+
     def replay_key(self) -> tuple:
         """What a captured step depends on beyond its inputs: every layer's persistent tensors (shape, dtype,
         address) and the sizes that shape the step. A graph replays only while it is unchanged."""

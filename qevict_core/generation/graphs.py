@@ -55,6 +55,7 @@ class _Slot:
 
     key: tuple | None = None
     graph: object = None
+    records: list | None = None  # what the step records for the host (routing events), as tensors it writes
     inputs: tuple[torch.Tensor, torch.Tensor] | None = None
     logits: torch.Tensor | None = None
 
@@ -96,6 +97,7 @@ class GraphedSteps:
             slot.inputs[1].fill_(position)
             slot.graph.replay()
             cache.replayed(1)
+            cache.replayed_records(slot.records)
             self.replays[kind] += 1
         return slot.logits[:, -1].clone()
 
@@ -111,9 +113,14 @@ class GraphedSteps:
         """Capture this step (its Python runs: the host counters advance) and replay it (its device work)."""
         slot.inputs = (token.clone(), torch.tensor([position], device=token.device))
         graph = self.graph_class()
-        with _capturing(graph):
-            slot.logits = self._forward(*slot.inputs)
+        self.cache.capture_records = []  # the step's records wait for the replay: no host read inside a capture
+        try:
+            with _capturing(graph):
+                slot.logits = self._forward(*slot.inputs)
+        finally:
+            slot.records, self.cache.capture_records = self.cache.capture_records, None
         graph.replay()
+        self.cache.replayed_records(slot.records)
         slot.graph = graph
 
 
