@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from qevict_core import QEvictConfig, make_cache
 from qevict_core.generation.graphs import GraphedSteps
 from qevict_core.generation.model_call import call
+from qevict_core.registry import METHODS
 from tests.conftest import random_prompt, tiny_model
 from tests.test_capture import REFUSED
 
@@ -108,6 +109,8 @@ def test_graph_replayed_steps_generate_the_eager_tokens_moves_and_bytes(method, 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])  # the stand-in replays no Triton launch: a GPU only
 @pytest.mark.parametrize("method, coverage, batch", CUDA_CASES)
 def test_cuda_graphs_generate_the_eager_tokens_moves_and_bytes(method, coverage, batch, kernels):
+    if kernels == "triton" and METHODS[method].family != "qevict":
+        pytest.skip("the kernels setting concerns the QEvict family only")
     _compare(method, coverage, batch, "cuda", torch.cuda.CUDAGraph, kernels)
 
 
