@@ -18,9 +18,9 @@ from tests.test_graphs import RecordedGraph, _generate, _host_state
 PROMPT, MAX_LENGTH = 300, 400
 
 
-def _cache(model, method: str, fixed: bool, budget: float = 0.3) -> EvictionCache:
+def _cache(model, method: str, fixed: bool, budget: float = 0.3, batch: int = 1) -> EvictionCache:
     config = QEvictConfig(budget=budget)
-    return EvictionCache(model, config, MAX_LENGTH, 1, METHODS[method].policy.from_config(config), method,
+    return EvictionCache(model, config, MAX_LENGTH, batch, METHODS[method].policy.from_config(config), method,
                          fixed_buffers=fixed)
 
 
@@ -76,12 +76,13 @@ def test_it_reads_what_the_lists_read_until_a_token_leaves():
     assert eager_fixed[0] == eager_lists[0]
 
 
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "criticalkv"])
-def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rolling(method):
+@pytest.mark.parametrize("method, batch", [("streamingllm", 1), ("snapkv", 1), ("criticalkv", 1), ("snapkv", 2)])
+def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rolling(method, batch):
     model = tiny_model("llama", 2)
     steps = 60  # past the limit: the ring rolls
-    eager = _generate(model, _cache(model, method, True), random_prompt(PROMPT), steps)
-    graphed = _generate(model, _cache(model, method, True), random_prompt(PROMPT), steps, RecordedGraph)
+    prompt = torch.cat([random_prompt(PROMPT, seed=s) for s in range(batch)])  # rows select apart
+    eager = _generate(model, _cache(model, method, True, batch=batch), prompt, steps)
+    graphed = _generate(model, _cache(model, method, True, batch=batch), prompt, steps, RecordedGraph)
     assert graphed[:3] == eager[:3] and graphed[2]["evictions"] > 0
     assert graphed[3].replays["plain"] >= steps - 3
 
