@@ -2,13 +2,15 @@
 
 A cache whose one-token decode step is the same call at every fill (``replays_steps``: the QEvict family on the
 PyTorch or Triton path; FullKV, StreamingLLM, SnapKV and CriticalKV on a GPU, in fixed buffers; ``fullkv_static``)
-writes its token at a slot it counts on the device and reads its tiers in place, so a step captured once replays at every later fill, as long as nothing it reads was reallocated or resized
-(``replay_key``). Plain steps and routing steps (``replays_routing``: once the tiers keep their sizes and storage
-across an event, every event is the same call too) each have a graph. The first step of a kind at given tiers runs
-eagerly, as a warm-up (a routing step whose event reallocated something is never captured); the next is captured
-(the capture runs the step's Python, which advances the cache's host counters, and the replay that follows does its
-device work); every later one copies its inputs into the graph's, replays, and advances the host counters with
-``cache.replayed`` (what an eager step advances; a test compares the two).
+writes its token at a slot it counts on the device and reads its tiers in place, so a step captured once replays at
+every later fill, as long as nothing it reads was reallocated or resized (``replay_key``). Plain steps and routing
+steps (``replays_routing``: once the tiers keep their sizes and storage across an event, every event is the same
+call too) each have a graph. The first step of a kind at given tiers runs eagerly, as a warm-up (a routing step
+whose event reallocated something is never captured); the next is captured (the capture runs the step's Python,
+which advances the cache's host counters, and the replay that follows does its device work); every later one copies
+its inputs into the graph's, replays, and advances the host counters with ``cache.replayed`` (what an eager step
+advances; a test compares the two). What a step records for the host (routing events, for the studio) the captured
+step writes to tensors, which the host reads after each replay (``cache.replayed_records``).
 
 Positions reach the model as tensors (``cache_position``, ``position_ids``), as a graph's inputs must.
 """
