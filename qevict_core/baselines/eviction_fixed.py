@@ -89,8 +89,11 @@ class FixedEvictionLayer(EvictionLayer):
         self._advance(num_tokens)
 
     def resident_bytes(self) -> dict[str, int]:
-        if self.key_buffer is None:
-            return super().resident_bytes() if self.is_initialized else {}
+        if not self.is_initialized:
+            return {}
+        if self.key_buffer is None:  # the prompt's lists, and the counter already there
+            lists = super().resident_bytes()
+            return {**lists, "index": lists["index"] + self.count.nbytes}
         return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes, "index": self.count.nbytes}
 
     def tier_counts(self) -> dict[str, int]:
