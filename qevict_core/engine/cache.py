@@ -116,7 +116,7 @@ class QEvictCache(ReportingCache):
         if self.capture_records is not None:
             self.capture_records.append((layer, old, aged))
         else:
-            self.events.append(layer.routing_event(old, aged[0].tolist()))
+            self.replayed_records([(layer, old, aged)])
 
     def replayed_records(self, records: list) -> None:
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
