@@ -1,8 +1,9 @@
 """The paper's claims beside ours: what the paper reports (its figure, where it is printed), what the committed rows
 give here, the verdict those rows support, and why where it is known. ``bench.report`` renders the table (kind
-``claims``) from each results folder's ``conditions/``, ``ruler/``, ``ruler4k/`` and ``fidelity*/`` rows (the
-paper's preset, ``qevict_paper``, the R1-R4 conditions of Appendix I, the promotion experiment) and a GPU folder's
-``speed/`` and ``paths/`` rows. Rows pair only on the same prompt (task, sample and the draw's seed) or passage.
+``claims``) from each results folder's ``ruler/``, ``ruler4k/`` and ``fidelity*/`` rows (the paper's preset,
+``qevict_paper``, the promotion experiment), the R1-R4 conditions of Appendix I (``conditions/diagnostics.json``, or
+a folder's own ``diagnostics.json``: the last folder's run is read, never a mix of two) and a GPU folder's ``speed/``
+and ``paths/`` rows. Rows pair only on the same prompt (task, sample and the draw's seed) or passage.
 
 A verdict is computed from the rows by the rule its claim states, never typed: *reproduced*, *not reproduced* (with
 the direction found), *consistent* / *differs* for a gap whose paper figure falls inside / outside our 95% paired
@@ -44,9 +45,10 @@ class Rows:
     @classmethod
     def load(cls, folders: list[Path]) -> Rows:
         conditions, ruler, gpu, fidelity = {}, [], [], []
-        for folder in folders:
-            if (folder / "conditions" / "diagnostics.json").exists():
-                conditions.update(json.loads((folder / "conditions" / "diagnostics.json").read_text())["conditions"])
+        for folder in folders:  # the conditions of the last folder that holds a run (conditions/ or itself)
+            for run in (folder / "conditions" / "diagnostics.json", folder / "diagnostics.json"):
+                if run.exists():
+                    conditions = json.loads(run.read_text())["conditions"]
             ruler += read_jsonl(sorted(f for sub in ("ruler", "ruler4k")
                                        for f in (folder / sub).glob("ruler-*.jsonl")))
             gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths")

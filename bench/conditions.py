@@ -28,7 +28,7 @@ from qevict_core import QEvictConfig, make_cache  # noqa: E402
 from qevict_core import diagnostics as dg  # noqa: E402
 from qevict_core.generation.model_call import cache_keyword, call  # noqa: E402
 
-from .common import RESULTS, add_model_args, setup  # noqa: E402
+from .common import RESULTS, add_model_args, kv_dtype, setup  # noqa: E402
 from .ruler_tasks import essay_sentences  # noqa: E402
 
 # name -> (method, config fields over the paper's preset; None: QEvict's own default config)
@@ -152,13 +152,13 @@ def main(argv=None) -> None:
             except ValueError as err:  # e.g. Ω=32's protected regions do not fit a small budget
                 skipped[name] = str(err)
                 continue
-            plans[name] = (method, cache.config.omega, cache.plan.k_full, cache.plan.k_quant)
+            plans[name] = (method, cache.config.omega, cache.plan.k_full, cache.plan.k_quant, kv_dtype(cache))
             collected[name].append((traces, cache, by_layer))
     conditions = {}
     for name, runs in collected.items():
         if name not in plans:
             continue
-        method, omega, k_full, k_quant = plans[name]
+        method, omega, k_full, k_quant, stored = plans[name]
         # Pool both articles' layers into one average: the layer traces of article i go with its events.
         pooled = {}
         for i, (traces, cache, by_layer) in enumerate(runs):
@@ -166,7 +166,8 @@ def main(argv=None) -> None:
             pooled.update({offset + layer: (traces[layer], events) for layer, events in by_layer.items()})
         result = dg.diagnose([t for t, _ in pooled.values()], {i: e for i, (_, e) in enumerate(pooled.values())},
                              args.prefill, runs[0][1].plan.num_windows, k_full, args.horizon)
-        conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant, **result}
+        conditions[name] = {"method": method, "omega": omega, "k_full": k_full, "k_quant": k_quant,
+                            "kv_dtype": stored, **result}
     result = {"meta": meta, "args": vars(args), "conditions": conditions, "skipped": skipped}
     (out / "diagnostics.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {render(json.loads(json.dumps(result)), out)}")

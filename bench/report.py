@@ -125,6 +125,8 @@ def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:
     """One line under a table: what its caches were stored in (rows of runs with caches) and whether its rows came
     from committed code, read from the rows themselves (every JSONL under the folders)."""
     rows = read_jsonl(sorted(f for name in folders.split("+") for f in (results / name).rglob("*.jsonl")))
+    rows += [row for name in folders.split("+") for f in sorted((results / name).rglob("diagnostics.json"))
+             for row in _diagnostics_rows(f)]
     if not rows:
         return ""
     stored = sorted({r.get("kv_dtype") or "" for r in rows})
@@ -145,14 +147,21 @@ def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:
     return line
 
 
+def _diagnostics_rows(path: Path) -> list[dict]:
+    """bench.conditions' one JSON file as footing rows: one per condition, with the run's commit and tree."""
+    import json
+
+    run = json.loads(path.read_text())
+    return [{**run["meta"], "kv_dtype": c.get("kv_dtype")} for c in run["conditions"].values()]
+
+
 def rendered(text: str, results: Path = RESULTS) -> str:
     """``text`` with every marked table rendered afresh, each with its footing line."""
     def table(m) -> str:
         body = render(m.group(2), m.group(3), results).rstrip("\n")
         kind = m.group(2)
         # rows without a cache of QEvict's (kernels compiled; a vLLM server's own KV, said in its table's header)
-        line = footing(m.group(3), results, caches=kind not in ("resources", "vllm_served")) if kind != "conditions" \
-            else ""
+        line = footing(m.group(3), results, caches=kind not in ("resources", "vllm_served"))
         return m.group(1) + body + ("\n\n" + line if line else "") + "\n" + m.group(5)
     return MARKER.sub(table, text)
 

@@ -52,3 +52,20 @@ def test_a_tables_footing_says_what_its_rows_stored_and_whether_they_came_from_c
            "changes.*" in line
     (tmp_path / "empty").mkdir()
     assert footing("empty", tmp_path) == ""
+
+
+def test_the_conditions_run_has_a_footing_and_the_claims_read_one_run_whole(tmp_path):
+    from bench.claims import Rows
+
+    def run(folder, stored, conditions):
+        folder.mkdir(parents=True)
+        meta = {"commit": "abc1234", "dirty": False, "device": "cpu"}
+        body = {name: {"fmm": fmm, **({"kv_dtype": stored} if stored else {})} for name, fmm in conditions.items()}
+        (folder / "diagnostics.json").write_text(json.dumps({"meta": meta, "conditions": body}))
+
+    run(tmp_path / "old" / "conditions", None, {"R1": 0.3, "R4": 0.2})  # before runs said what they stored
+    run(tmp_path / "new", "bfloat16", {"R1": 0.4})
+    assert footing("new", tmp_path) == "*Caches stored in bfloat16 (`kv_dtype`). Rows: 1 at commit abc1234.*"
+    assert footing("old", tmp_path).startswith("*Caches stored in float32")
+    assert Rows.load([tmp_path / "old", tmp_path / "new"]).conditions == {"R1": {"fmm": 0.4, "kv_dtype": "bfloat16"}}
+    assert Rows.load([tmp_path / "new", tmp_path / "old"]).conditions.keys() == {"R1", "R4"}
