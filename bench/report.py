@@ -123,7 +123,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
 
 def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:
     """One line under a table: what its caches were stored in (rows of runs with caches) and whether its rows came
-    from committed code, read from the rows themselves (every JSONL under the folders)."""
+    from committed code, read from the rows themselves (every JSONL under the folders, and bench.conditions'
+    diagnostics.json, one row per condition)."""
     rows = read_jsonl(sorted(f for name in folders.split("+") for f in (results / name).rglob("*.jsonl")))
     rows += [row for name in folders.split("+") for f in sorted((results / name).rglob("diagnostics.json"))
              for row in _diagnostics_rows(f)]
