@@ -4,11 +4,13 @@
         --budgets 0.05,0.1,0.2 --lengths 2048,4096 --tasks default --samples 10 --out bench/results/ruler
     python -m bench.ruler --merge --out bench/results/ruler        # tables and plots from every shard file
 
-One JSON line per (method, budget, task, length, sample): score, measured KV ratio, prefill/decode time. Done cells
-are skipped, so an interrupted sweep resumes. ``--shard i/n`` (or RANK/WORLD_SIZE under torchrun / accelerate
-launch) takes every n-th sample. For one sample all lanes share one prefill forward (qevict_core.generation.lanes_forward)
-and decode in lockstep; timings are therefore not per-method speed measurements (bench/speed.py makes those). A
-lane stops once its output holds every answer: later tokens cannot change ``string_match_all``.
+One JSON line per (method, budget, task, length, sample): score, measured KV ratio, prefill/decode time, in
+``ruler-{length}-{task}-shard{i}of{n}.jsonl`` (a file per length and task keeps each small enough to commit). Done
+cells, read from every ``ruler-*.jsonl`` under ``--out``, are skipped, so an interrupted sweep resumes. ``--shard
+i/n`` (or RANK/WORLD_SIZE under torchrun / accelerate launch) takes every n-th sample. For one sample all lanes share
+one prefill forward (qevict_core.generation.lanes_forward) and decode in lockstep; timings are therefore not
+per-method speed measurements (bench/speed.py makes those). A lane stops once its output holds every answer: later
+tokens cannot change ``string_match_all``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ def run(args) -> None:
     done = {cell_key(r) for r in read_jsonl(sorted(out.glob("ruler-*.jsonl")))} if out.is_dir() else set()
     items = sweep(lengths, tasks, args.samples, shard, shards)
     model, tokenizer, meta = setup(args.model, args.device or default_device(), args.threads)
-    path = out / f"ruler-shard{shard}of{shards}.jsonl"
     for length, task, sample_idx in tqdm(items, desc=f"ruler shard {shard}/{shards}", unit="sample"):
         todo = [(m, b) for m, b in lanes if (m, b, task, length, sample_idx) not in done]
         if not todo:
@@ -87,7 +88,7 @@ def run(args) -> None:
             memory, summary = lane.cache.memory_report(), lane.cache.summary()
             stop = lane.done or "length"
             failed = stop.startswith("error")
-            append_jsonl(path, {
+            append_jsonl(out / f"ruler-{length}-{task}-shard{shard}of{shards}.jsonl", {
                 "method": method, "budget": budget, "task": task, "length": length, "sample": sample_idx,
                 # A lane whose forward raised has no answer to score: it is an error, never a zero.
                 "seed": seed, "score": None if failed else string_match_all(lane.text, sample.answers),

@@ -58,6 +58,10 @@ def test_ruler_sweep_shards_resumes_and_merges(tmp_path):
     ruler.main(common + ["--shard", "1/2"])
     rows = read_jsonl(sorted(tmp_path.glob("ruler-*.jsonl")))
     assert len(rows) == 2 * 2 * 3  # tasks x samples x lanes
+    # A file per length, task and shard, each holding only its own rows.
+    assert sorted(p.name for p in tmp_path.glob("ruler-*.jsonl")) == [
+        f"ruler-1024-{task}-shard{i}of2.jsonl" for task in ("niah_single_1", "vt") for i in (0, 1)]
+    assert all(r["task"] == "vt" and r["sample"] == 1 for r in read_jsonl([tmp_path / "ruler-1024-vt-shard1of2.jsonl"]))
     assert {"method", "budget", "task", "length", "sample", "score", "kv_ratio", "prefill_s_shared", "decode_s",
             "threads", "commit"} <= set(rows[0])
     assert all(0 <= r["score"] <= 1 and r["kv_ratio"] > 0 for r in rows)
