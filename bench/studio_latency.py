@@ -143,20 +143,28 @@ def main(argv=None) -> None:
                 report(out, row)
 
 
-def _spin() -> None:
+def _spin(started) -> None:
+    started.set()
     while True:
         pass
 
 
 @contextmanager
 def spinning(processes: int):
-    """``processes`` other processes busy on the CPU until the block ends."""
+    """``processes`` other processes busy on the CPU until the block ends. Yields once each one spins: a spawned
+    interpreter spends its first moments importing, often waiting on the disk, which is no load."""
     import multiprocessing
 
-    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(processes)]
+    context = multiprocessing.get_context("spawn")
+    events = [context.Event() for _ in range(processes)]
+    spinners = [context.Process(target=_spin, args=(event,), daemon=True) for event in events]
     for spinner in spinners:
         spinner.start()
     try:
+        for spinner, event in zip(spinners, events):
+            while not event.wait(1.0):
+                if not spinner.is_alive():
+                    raise RuntimeError(f"a spinning process ended before it spun (exit code {spinner.exitcode})")
         yield
     finally:
         for spinner in spinners:
