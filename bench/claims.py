@@ -1,9 +1,10 @@
 """The paper's claims beside ours: what the paper reports (its figure, where it is printed), what the committed rows
 give here, the verdict those rows support, and why where it is known. ``bench.report`` renders the table (kind
-``claims``) from each results folder's ``ruler/``, ``ruler4k/`` and ``fidelity*/`` rows (the paper's preset,
+``claims``) from each results folder's ``ruler/`` and ``fidelity*/`` rows (the paper's preset,
 ``qevict_paper``, the promotion experiment), the R1-R4 conditions of Appendix I (``conditions/diagnostics.json``, or
 a folder's own ``diagnostics.json``: the last folder's run is read, never a mix of two) and a GPU folder's ``speed/``
-and ``paths/`` rows. Rows pair only on the same prompt (task, sample and the draw's seed) or passage.
+and ``paths/`` rows. Rows pair only on the same prompt (task, sample and the draw's seed) of one folder's run, or
+passage.
 
 A verdict is computed from the rows by the rule its claim states, never typed: *reproduced*, *not reproduced* (with
 the direction found), *consistent* / *differs* for a gap whose paper figure falls inside / outside our 95% paired
@@ -49,8 +50,9 @@ class Rows:
             for run in (folder / "conditions" / "diagnostics.json", folder / "diagnostics.json"):
                 if run.exists():
                     conditions = json.loads(run.read_text())["conditions"]
-            ruler += read_jsonl(sorted(f for sub in ("ruler", "ruler4k")
-                                       for f in (folder / sub).glob("ruler-*.jsonl")))
+            # each row tagged with its folder: a prompt pairs within one run, whose lanes decoded together (a
+            # lane's greedy tokens can differ with the lanes beside it: one batched forward, batch-dependent sums)
+            ruler += [{**r, "run": folder.name} for r in read_jsonl(sorted((folder / "ruler").glob("ruler-*.jsonl")))]
             gpu += [r for r in read_jsonl(sorted(f for sub in ("speed", "paths")
                                                  for f in (folder / sub).glob("*.jsonl")))
                     if str(r.get("device", "")).startswith("cuda")]
@@ -88,7 +90,7 @@ def _ruler_gap(other: str, method: str = "qevict_paper", budget: float = 0.2):
         cells, inside = [], []
         for length in sorted({r["length"] for r in rows.ruler}):
             def scores(method, b):
-                return {(r["task"], r["sample"], r.get("seed")): 100 * r["score"] for r in rows.ruler
+                return {(r.get("run"), r["task"], r["sample"], r.get("seed")): 100 * r["score"] for r in rows.ruler
                         if r["method"] == method and r["budget"] == b and r["length"] == length
                         and r.get("score") is not None}
             mine, theirs = scores(method, budget), scores(other, None if other == "fullkv" else budget)
@@ -107,7 +109,7 @@ def _without_promotion(rows: Rows) -> tuple[str, str]:
     """The default minus itself with ``promotion=False``, paired over the prompts (RULER, string_match_all × 100)
     and the passages (next-token KL) both ran, one pair per prompt or passage (its mean over the budgets: they are
     not independent samples). Each verdict from its interval."""
-    prompt = (lambda r: (r["length"], r["task"], r["sample"], r.get("seed")),
+    prompt = (lambda r: (r.get("run"), r["length"], r["task"], r["sample"], r.get("seed")),
               lambda r: None if r.get("score") is None else 100 * r["score"])
     passage = (lambda r: (r.get("prefill"), r.get("offset")), lambda r: r.get("kl"))
     parts, verdicts = [], []
@@ -177,7 +179,7 @@ CLAIMS = [
     Claim("RULER at 20%: QEvict close to FullKV (consistent: the paper's gap inside our interval)",
           f"{mean(PAPER_RULER_32K['qevict']) - mean(PAPER_RULER_32K['fullkv']):+.1f} points (Llama-3.1-8B, 32K, "
           "Table 2 mean)", _ruler_gap("fullkv"),
-          "a 135M model at 2K and 4K is not an 8B model at 32K"),
+          "a 135M model at 2K to 8K is not an 8B model at 32K"),
     Claim("RULER at 20%: QEvict above Layer-DefensiveKV (as above)",
           f"{mean(PAPER_RULER_32K['qevict']) - mean(PAPER_RULER_32K['layer_defensivekv']):+.1f} points (Table 2 "
           "mean)", _ruler_gap("layer_defensivekv")),

@@ -140,6 +140,11 @@ def kv_dtype(cache) -> str:
     return dtype_name(cache.shape.dtype)
 
 
+def kv_dtypes(model, lanes: list[tuple[str, float | None]], max_length: int) -> dict[str, str]:
+    """What each lane's cache stores its full-precision keys and values in (a cache as the run builds it)."""
+    return {spec: kv_dtype(Variant.parse(spec).make_cache(model, budget, max_length)) for spec, budget in lanes}
+
+
 def read_jsonl(paths) -> list[dict]:
     rows = []
     for path in paths:

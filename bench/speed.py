@@ -56,7 +56,7 @@ from qevict_core.generation.graphs import GraphedSteps
 from qevict_core.generation.model_call import call
 from qevict_core.generation.prefill import prefill
 
-from .common import RESULTS, Variant, add_model_args, default_device, method_lanes, run_metadata, setup
+from .common import RESULTS, Variant, add_model_args, default_device, kv_dtypes, method_lanes, run_metadata, setup
 
 RANDOM_MODELS = {  # shapes of public models, random weights: no download needed
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -308,13 +308,14 @@ def main(argv=None) -> None:
         for method, res in results.items():
             print(f"{context:>6} {method:18s} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
         base = results.get(args.baseline)
+        stored = kv_dtypes(model, [(m, budget_of[m]) for m in results], context + args.new_tokens)
         for method, res in results.items():
             ratios = {f"{k}_vs_fullkv": res[k] / base[k] for k in ("ttft", "tpot", "throughput", "peak_memory")
                       if base and base[k]}
             rows.append({"method": method, "budget": budget_of[method],
                          "context": context, "batch": args.batch, "new_tokens": args.new_tokens,
                          "repeats": args.repeats, "baseline": args.baseline, "prefill_chunk": args.prefill_chunk,
-                         "graphs": args.graphs,
+                         "graphs": args.graphs, "kv_dtype": stored[method],
                          **res, **ratios, **meta})
         write_rows(Path(args.out), args, meta, rows)  # after each context: a run cut short keeps what it measured
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from qevict_core.timing import interleaved_steps
 
-from .common import RESULTS, Variant, add_model_args, kv_dtype, method_lanes
+from .common import RESULTS, Variant, add_model_args, kv_dtypes, method_lanes
 from .speed import load, prompt_ids, routing_overhead
 
 
@@ -39,11 +39,6 @@ def decode_side_by_side(model, prompt: torch.Tensor, lanes: list[tuple[str, floa
     caches = {spec: variants[spec].make_cache(model, budget, prompt.shape[1] + new_tokens) for spec, budget in lanes}
     return interleaved_steps(model, prompt, caches, new_tokens, {spec: v.chunk for spec, v in variants.items()},
                              graphs)
-
-
-def kv_dtypes(model, lanes: list[tuple[str, float | None]], max_length: int) -> dict[str, str]:
-    """What each lane's cache stores its full-precision keys and values in (a cache as the run builds it)."""
-    return {spec: kv_dtype(Variant.parse(spec).make_cache(model, budget, max_length)) for spec, budget in lanes}
 
 
 def summarise(steps: list[tuple[float, bool]]) -> dict:

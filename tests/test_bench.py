@@ -254,6 +254,7 @@ def test_speed_smoke(tmp_path):
     rows = {r["method"]: r for r in read_jsonl([path])}
     assert rows["fullkv"]["tpot_vs_fullkv"] == 1.0
     assert rows["qevict"]["kv_bytes"] < rows["fullkv"]["kv_bytes"] and rows["qevict"]["ttft"] > 0
+    assert {r["kv_dtype"] for r in rows.values()} == {"bfloat16"}  # what the caches stored, for the table's footing
     # the path changes time, not the tiers' bytes; the PyTorch path's steps count on the device (two counters a layer)
     layers = speed.load("tiny", "cpu", 1)[0].config.num_hidden_layers
     assert rows["qevict@torch"]["kv_bytes"] == rows["qevict"]["kv_bytes"] + 16 * layers

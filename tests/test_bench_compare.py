@@ -201,6 +201,10 @@ def test_a_ruler_gap_is_consistent_when_the_paper_s_figure_lies_inside_our_inter
     figure, verdict = claim.ours(Rows({}, near, []))
     assert figure.startswith("2K: -2.0 [") and verdict == "consistent", (figure, gap)
     assert claim.ours(Rows({}, far, []))[1] == "differs"
+    # FullKV rows of another run (other lanes beside it) on the same prompts pair with nothing: a run's lanes decode
+    # together, and a lane's greedy tokens can differ with the batch beside it
+    other = [{**r, "run": "other", "score": 0.0} for r in near if r["method"] == "fullkv"]
+    assert claim.ours(Rows({}, [{**r, "run": "eval"} for r in near] + other, []))[0] == figure
 
 
 def test_what_promotion_buys_is_paired_over_the_same_prompts_and_passages():
