@@ -1,11 +1,13 @@
 """The low-bit tier's kernels alone: the GPU attention path against the device's copy bandwidth (``attention``),
-the C kernel by the dtype of its stored pairs (``c``), and what the fused kernels need of an sm_90 GPU
-(``resources``, bench/kernel_resources.py).
+the C kernel by the dtype of its stored pairs (``c``), what the fused kernels need of an sm_90 GPU
+(``resources``, bench/kernel_resources.py), and the kernels a decode step launches on the GPU's paths, counted
+without a GPU (``launches``, bench/launches.py).
 
     python -m bench.kernels attention --device cuda --keys 8192,32768 --batch 1,8 --bits 4
     TRITON_INTERPRET=1 python -m bench.kernels attention --device cpu --keys 512 --batch 1 --repeats 1   # smoke run
     python -m bench.kernels c --windows 342 --heads 3 --rows 3 --bits 4 --threads 1
     python -m bench.kernels resources [--device cuda]
+    python -m bench.kernels launches --out bench/results/launches
 
 ``attention``: one layer's decode attention over T cached tokens, four ways. For a layer of 8 KV heads × 4 query
 heads, head_dim 128 (an 8B shape), one query per head:
@@ -41,7 +43,7 @@ from tqdm import tqdm
 
 from qevict_kernels import cpu_decode
 
-from . import kernel_resources
+from . import kernel_resources, launches
 from .common import RESULTS, dtype_name, run_metadata
 
 HKV, GROUPS, HEAD_DIM, OMEGA, FP_TOKENS = 8, 4, 128, 8, 64
@@ -239,8 +241,9 @@ def main(argv=None) -> None:
     c.add_argument("--calls", type=int, default=200, help="calls per timed repeat")
     c.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; pin it on shared machines")
     kernel_resources.add_arguments(sub.add_parser("resources", help="registers, spills and shared memory on sm_90"))
+    launches.add_arguments(sub.add_parser("launches", help="kernels a decode step launches on the GPU's paths"))
     args = parser.parse_args(argv)
-    {"attention": attention, "c": c_kernel, "resources": kernel_resources.run}[args.kernel](args)
+    {"attention": attention, "c": c_kernel, "resources": kernel_resources.run, "launches": launches.run}[args.kernel](args)
 
 
 if __name__ == "__main__":

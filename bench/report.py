@@ -9,7 +9,8 @@ beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minu
 KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length; ``drift`` /
 ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method or for A and
 B; ``vllm_needle`` / ``vllm_serve`` / ``vllm_served``: the vLLM plugin's rows; ``resources``: the fused kernels'
-registers, spills and shared memory (bench/kernel_resources.py); ``kvpress``: the baselines beside kvpress's
+registers, spills and shared memory (bench/kernel_resources.py); ``launches``: the kernels a decode step launches on
+the GPU's paths (bench/launches.py); ``kvpress``: the baselines beside kvpress's
 presses (bench/kvpress_check.py). ``tests/test_bench_docs.py`` fails when the
 committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
 together)."""
@@ -104,6 +105,10 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         from .kernel_resources import table as resources_table
 
         return resources_table(read_jsonl(sorted(f for p in paths for f in p.glob("*.jsonl"))))
+    if kind == "launches":
+        from .launches import table as launches_table
+
+        return launches_table(read_jsonl(sorted(f for p in paths for f in p.glob("launches.jsonl"))))
     if kind == "kvpress":
         from .kvpress_check import table as kvpress_table
 
@@ -117,7 +122,7 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, resources, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, "
+                     "choice, claims, resources, launches, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, "
                      "vllm_serve, vllm_served, drift, drift=A,B")
 
 

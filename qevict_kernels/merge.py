@@ -45,20 +45,23 @@ def fp_attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def fp_attention_masked(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                        visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """query (B, Hq, L, D) over full-precision keys (B, Hkv, N, D) in any order, ``visible`` (B, L, N) saying which
-    keys each query position sees -> (out (B, Hq, L, D), lse (B, Hq, L)) in float32. Plain math, for the few
-    full-precision keys of a step that reads a whole buffer (its unwritten tail visible to no query), so that every
-    step has the same shapes; a query that sees no key gets lse = -inf and a zero output."""
+                        hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query (B, Hq, L, D) over full-precision keys (B, Hkv, N, D) in any order, ``hidden`` (B or 1, L, N) saying
+    which keys each query position does not see -> (out (B, Hq, L, D), lse (B, Hq, L), scores (B, Hkv, G*L, N), the
+    masked logits, row r at position r % L) in float32. Plain math, for the few full-precision keys of a step that
+    reads a whole buffer (its unwritten tail visible to no query), so that every step has the same shapes; a query
+    that sees no key gets lse = -inf and a zero output. The scores are returned so a caller that needs each key's
+    mass under another normaliser (the merged one) computes them once."""
     b, hq, lq, d = query.shape
     hkv = keys.shape[1]
     rows = query.reshape(b, hkv, hq // hkv * lq, d).float()  # (B, Hkv, G*L, D): row r is position r % L
     scores = rows @ keys.float().transpose(2, 3) * scale  # (B, Hkv, G*L, N)
-    sees = visible[:, None, torch.arange(rows.shape[2], device=keys.device) % lq]  # (B, 1, G*L, N)
-    scores = scores.masked_fill(~sees, float("-inf"))
+    # one query position (a decode step): its mask broadcasts over the rows, no index to build
+    rows_hidden = hidden[:, None] if lq == 1 else hidden[:, None, torch.arange(rows.shape[2], device=keys.device) % lq]
+    scores = scores.masked_fill_(rows_hidden, float("-inf"))  # (B or 1, 1, G*L, N) broadcast over the KV heads
     lse = scores.logsumexp(-1)
     out = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0) @ values.float()
-    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq), scores
 
 
 def _fused(query, keys, values, scale):

@@ -172,10 +172,17 @@ def test_masked_full_precision_attention_sees_what_its_mask_says():
     k[:, :, 77:], v[:, :, 77:] = 1e4, -1e4  # stale slots (finite: the buffers start at zeros)
     positions = torch.arange(97, device=DEVICE).expand(2, -1)
     query_pos = torch.arange(74, 77, device=DEVICE)
-    out, lse = fp_attention_masked(q, k, v, 0.125, positions[:, None, :] <= query_pos[None, :, None])
+    out, lse, scores = fp_attention_masked(q, k, v, 0.125, positions[:, None, :] > query_pos[None, :, None])
     ref_out, ref_lse = fp_attention_with_lse(q, k[:, :, :77], v[:, :, :77], 0.125, causal_tail=True)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # the masked logits: row r (position 74 + r % 3) sees keys up to its own position, at the same scale
+    assert torch.isinf(scores[..., 77:]).all() and torch.isinf(scores[:, :, 0, 75:]).all()
+    row = q[:, 0, 2].float().unsqueeze(1) @ k[:, 0, :77].float().transpose(1, 2) * 0.125  # query head 0 at 76
+    torch.testing.assert_close(scores[:, 0, 2:3, :77], row)
+    one, one_lse, _ = fp_attention_masked(q[:, :, :1], k, v, 0.125, positions[:1, None, :] > 74)  # one position
+    torch.testing.assert_close(one, ref_out[:, :, :1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one_lse, ref_lse[:, :, :1], rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_path_needs_the_interpreter_on_cpu(monkeypatch):

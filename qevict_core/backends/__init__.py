@@ -32,7 +32,7 @@ class Backend:
     def prepare(self, cache) -> None:
         """Once, when ``cache`` is made: whatever its decode steps share (nothing by default)."""
 
-    def decode_step(self, layer, query, key, value, scaling, query_pos, scored: bool):
+    def decode_step(self, layer, query, key, value, scaling, scored: bool):
         """(out (B, L, Hq, D), mass (B, Hkv, N) per key or None: the step folded its mass itself) of a decode step,
         or None: the layer's PyTorch path."""
         return None
@@ -53,7 +53,7 @@ class CPUBackend(Backend):
     steps_heads_in_one_pass = True
     sizes_moves_on_host = True
 
-    def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
+    def decode_step(self, layer, query, key, value, scaling, scored):
         from . import cpu_path
 
         out, mass = cpu_path.attend(layer, query, key, value, scaling)
@@ -75,10 +75,10 @@ class TritonBackend(Backend):
 
         triton_path.prepare(cache)
 
-    def decode_step(self, layer, query, key, value, scaling, query_pos, scored):
+    def decode_step(self, layer, query, key, value, scaling, scored):
         from . import triton_path
 
-        out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, query_pos, scored)
+        out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, scored)
         if scored:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
             layer.fold_windows(quant, fp_keys, query.shape[1])
         return out, None

@@ -14,12 +14,11 @@ import torch
 
 
 def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.Tensor, scaling: float,
-           query_pos: torch.Tensor, scored: bool):
-    """query (B, Hq, L, D) at positions ``query_pos`` (L,); fp_keys/values (B, Hkv, n, D) [sinks | full | recent],
-    whose last L keys are the queries' own tokens, or the layer's whole buffer (``layer.reads_buffer``: its
-    unwritten tail lies after the queries). -> out (B, L, Hq, D) in the query dtype, and when ``scored`` the mass of
-    the step's queries on each low-bit window (B, nQ) and on each full-precision key (B, n), summed over the KV
-    heads."""
+           scored: bool):
+    """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent], whose last L keys are the
+    queries' own tokens, or the layer's whole buffer (``layer.reads_buffer``, one query: its unwritten tail hidden).
+    -> out (B, L, Hq, D) in the query dtype, and when ``scored`` the mass of the step's queries on each low-bit
+    window (B, nQ) and on each full-precision key (B, n), summed over the KV heads."""
     from qevict_kernels.lowbit_attention import lowbit_attention, merge
     from qevict_kernels.merge import fp_attention_masked, fp_attention_with_lse
 
@@ -28,10 +27,10 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     rows = query.reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
     if fp_keys.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32 (the interpreter's tests)
         fp_keys, fp_values = fp_keys.to(query.dtype), fp_values.to(query.dtype)
-    visible = None
-    if layer.reads_buffer:  # one shape at every fill: the few full-precision keys masked by position
-        visible = layer.fp_positions()[:, None, :] <= query_pos[None, :, None]  # (B, L, n)
-        fp_out, fp_lse = fp_attention_masked(query, fp_keys, fp_values, scaling, visible)
+    logits = None  # the full-precision keys' masked logits, when the attention already computed them
+    if layer.reads_buffer:  # one shape at every fill: the few full-precision keys, the unwritten slots masked
+        fp_out, fp_lse, logits = fp_attention_masked(query, fp_keys, fp_values, scaling,
+                                                     layer.unwritten_slots()[None, None])  # (1, 1, n)
     else:
         fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
     fp_out, fp_lse = fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3])  # (B, Hq, L, ·) as rows
@@ -47,13 +46,11 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     out = out.reshape(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
     if not scored:
         return out, None, None
-    logits = rows.float() @ fp_keys.float().transpose(2, 3) * scaling  # (B, Hkv, G*L, n)
-    if visible is not None:
-        rows_visible = visible[:, None, torch.arange(logits.shape[2], device=query.device) % lq]  # (B, 1, G*L, n)
-        logits.masked_fill_(~rows_visible, float("-inf"))
-    elif lq > 1:  # the queries' own tokens: bottom-right causal
-        later = torch.ones(lq, lq, dtype=torch.bool, device=query.device).triu_(1)
-        logits.view(b, hkv, hq // hkv, lq, -1)[..., -lq:].masked_fill_(later, float("-inf"))
+    if logits is None:
+        logits = rows.float() @ fp_keys.float().transpose(2, 3) * scaling  # (B, Hkv, G*L, n)
+        if lq > 1:  # the queries' own tokens: bottom-right causal
+            later = torch.ones(lq, lq, dtype=torch.bool, device=query.device).triu_(1)
+            logits.view(b, hkv, hq // hkv, lq, -1)[..., -lq:].masked_fill_(later, float("-inf"))
     fp_mass = torch.exp(logits - lse.unsqueeze(-1)).sum(dim=2)  # (B, Hkv, n)
     return out, window_mass.sum(dim=1), fp_mass.sum(dim=1)
 

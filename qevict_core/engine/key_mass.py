@@ -21,9 +21,11 @@ CHUNK_QUERIES = 256
 DENSE_MASK_QUERIES = 4
 
 
-def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor,
-                    key_pos: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal softmax attention: query (B, Hq, q, D), keys (B, Hkv, N, D) -> (B, Hkv, G, q, N) float32.
+def attention_probs(query: torch.Tensor, query_pos: torch.Tensor | None, keys: torch.Tensor,
+                    key_pos: torch.Tensor | None, scaling: float, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention: query (B, Hq, q, D), keys (B, Hkv, N, D) -> (B, Hkv, G, q, N) float32. ``hidden``
+    (broadcast to (B, Hkv, G, q, N)): the keys hidden from the queries, where the caller knows them without
+    positions (then ``query_pos`` and ``key_pos`` are not read).
 
     Query head h reads KV head h // G (G = Hq / Hkv), as transformers' ``repeat_kv`` does. For short query
     blocks (an observation window); longer ones go through :func:`kv_head_mass` in chunks.
@@ -35,7 +37,10 @@ def attention_probs(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
     hkv, n = keys.shape[1], keys.shape[2]
     groups = hq // hkv
     logits = torch.matmul(query.reshape(b, hkv, groups * q, d), keys.to(query.dtype).transpose(2, 3)).float()
-    return causal_softmax(logits.mul_(scaling).view(b, hkv, groups, q, n), query_pos, key_pos)
+    logits = logits.mul_(scaling).view(b, hkv, groups, q, n)
+    if hidden is not None:
+        return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+    return causal_softmax(logits, query_pos, key_pos)
 
 
 def causal_softmax(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
@@ -78,16 +83,18 @@ def kv_head_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tenso
     return mass
 
 
-def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-                     values: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_with_mass(query: torch.Tensor, query_pos: torch.Tensor | None, keys: torch.Tensor,
+                     key_pos: torch.Tensor | None, values: torch.Tensor, scaling: float,
+                     hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention that also returns what each key received: for a few queries (decode steps).
 
-    query (B, Hq, q, D); keys, values (B, Hkv, N, D) in any order with positions key_pos (B, N).
+    query (B, Hq, q, D); keys, values (B, Hkv, N, D) in any order with positions key_pos (B, N), or ``hidden``
+    instead of positions (as ``attention_probs``).
     -> out (B, q, Hq, D) in the query dtype, as transformers' attention functions return it, and the per-key mass
     (B, Hkv, N) float32 summed over each group's query heads and the queries.
     """
     b, hq, q, d = query.shape
-    probs = attention_probs(query, query_pos, keys, key_pos, scaling)  # (B, Hkv, G, q, N)
+    probs = attention_probs(query, query_pos, keys, key_pos, scaling, hidden)  # (B, Hkv, G, q, N)
     out = torch.matmul(probs.flatten(2, 3).to(query.dtype), values.to(query.dtype))  # (B, Hkv, G*q, D)
     out = out.view(b, hq, q, d).transpose(1, 2).to(query.dtype)  # (B, q, Hq, D): head h reads KV head h // G
     return out, probs.sum(dim=(2, 3))

@@ -199,26 +199,33 @@ class QEvictLayer(ReportingLayer):
         if self.owner.plan.uncompressed:  # [sinks | recent] is every token in order: FullKV's attention
             return sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
         scored = self.owner.scorer.needs_attention
-        query_pos = self._query_positions(query.shape[2], query.device)
         window = self.owner.config.prefill_window
         if self.stage is not None:  # a chunk of the prompt before its last: no observation window in it yet
             out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             if scored and not window:
+                query_pos = self._query_positions(query.shape[2], query.device)
                 self.stage.fold(self, kv_head_mass(query, query_pos, key, self.stage.positions(self), scaling),
                                 query.shape[1])
             return out
-        stepped = self.owner.backend.decode_step(self, query, key, value, scaling, query_pos, scored) \
+        stepped = self.owner.backend.decode_step(self, query, key, value, scaling, scored) \
             if self.owner.step > 0 else None  # the prompt has no quantized tier yet
         if stepped is not None:
             out, mass = stepped
             if mass is not None:
                 self._fold(mass, query.shape[1])
+        elif scored and self.reads_buffer and dropout == 0.0:
+            # A decode step over the whole buffer: every key is older than the query but the unwritten slots
+            n_quant = key.shape[2] - self.fp.capacity  # [dequantized quantized tier | buffer]
+            out, mass = attend_with_mass(query, None, key, None, value, scaling,
+                                         hidden=self.unwritten_slots(n_quant))
+            self._fold(mass, query.shape[1])
         elif scored and query.shape[2] <= max(window, 1) and dropout == 0.0:
             # A decode step: one attention pass gives the output and every key's mass.
+            query_pos = self._query_positions(query.shape[2], query.device)
             out, mass = attend_with_mass(query, query_pos, key, self.attended_positions(), value, scaling)
             self._fold(mass, query.shape[1])
         elif self.reads_buffer:  # the whole buffer, unscored (or with dropout): its reserved tail hidden by position
-            positions = self.attended_positions()
+            positions, query_pos = self.attended_positions(), self._query_positions(query.shape[2], query.device)
             out = sdpa_with_positions(module, query, key, value, scaling, dropout,
                                       (positions, query_pos)) if output else None
             if scored:
@@ -226,10 +233,17 @@ class QEvictLayer(ReportingLayer):
         else:
             out = sdpa_with_positions(module, query, key, value, scaling, dropout) if output else None
             if scored:  # a prompt: its mass in chunks, from its observation window only when one is set
+                query_pos = self._query_positions(query.shape[2], query.device)
                 if window and query.shape[2] > window:
                     query, query_pos = query[:, :, -window:], query_pos[-window:]
                 self._fold(kv_head_mass(query, query_pos, key, self.attended_positions(), scaling), query.shape[1])
         return out
+
+    def unwritten_slots(self, before: int = 0) -> torch.Tensor:
+        """(before + capacity,) True at the buffer's slots no token has reached yet (``reads_buffer``: one query, the
+        newest token, so every written key is visible to it and only these are hidden), after ``before`` keys read
+        in front of the buffer: two operators, no positions."""
+        return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count
 
     def route(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """A routing event on what ``update`` returned (called when ``owner.routed()``)."""

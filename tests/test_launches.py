@@ -1,0 +1,41 @@
+"""What a decode step would launch on a GPU, counted on the CPU (bench/launches.py): the counter on hand-built cases,
+and the GPU paths' plain steps held to today's counts, so a change that adds kernels to every layer of every step
+fails here and says where it went (a replayed CUDA graph still pays a launch slot per kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import Variant
+from bench.launches import CountLaunches, steps_of
+from tests.conftest import random_prompt, tiny_model
+
+
+def test_the_counter_counts_writes_not_views_allocations_or_no_op_conversions():
+    x = torch.ones(4, 6)
+    with torch.inference_mode(), CountLaunches() as counter:  # as decode steps run
+        x.view(6, 4), x[:, 1:].t(), x.to(torch.float32), torch.empty(3)  # no kernel
+        y = x * 2  # new storage
+        y.add_(1)  # in place
+        x.to(torch.bfloat16)  # a real conversion
+    assert dict(counter.launched) == {"aten.mul": 1, "aten.add_": 1, "aten.to": 1}
+
+
+# kernels per layer beyond FullKV's static cache in a plain decode step of a 2-layer bfloat16 model, as counted at
+# the commit that set them; lower them when a change removes launches
+PLAIN_STEP_BOUND = {"qevict@torch": 50, "qevict@triton": 32}
+
+
+@pytest.mark.parametrize("spec", sorted(PLAIN_STEP_BOUND))
+def test_a_plain_decode_step_launches_no_more_than_today(spec):
+    model = tiny_model("llama", 2).to(torch.bfloat16)
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # its frequencies in float32
+    prompt = random_prompt(300)
+    base = sum(steps_of(model, Variant.parse("fullkv_static"), None, prompt, 4)["plain"].values())
+    counted = steps_of(model, Variant.parse(spec), 0.3, prompt, 96)
+    beyond = (sum(counted["plain"].values()) - base) / model.config.num_hidden_layers
+    assert 0 < beyond <= PLAIN_STEP_BOUND[spec], dict(counted["plain"])
+    assert sum(counted["routing"].values()) > sum(counted["plain"].values())  # an event moves windows too
+    if spec.endswith("@triton"):  # the fused kernel and its merge, once per layer
+        assert counted["plain"]["triton:_split_kernel"] == counted["plain"]["triton:_merge_kernel"] == 2
