@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import RESULTS, Variant, add_model_args, method_lanes, run_metadata
+from .common import RESULTS, Variant, add_model_args, kv_dtypes, method_lanes, run_metadata
 
 ALLOCATIONS = {"aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty_strided"}
 
@@ -135,15 +135,19 @@ def run(args) -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context), generator=generator)
     counts = {spec: steps_of(model, Variant.parse(spec), budget, prompt, args.new_tokens) for spec, budget in lanes}
     meta = run_metadata(args.model, "cpu")
+    stored = kv_dtypes(model, lanes, args.context + args.new_tokens)
     base = sum(counts[args.baseline]["plain"].values())
     rows = []
     for spec, budget in lanes:
-        for kind, launched in counts[spec].items():
+        for kind in ("plain", "routing"):
+            if kind not in counts[spec]:
+                continue
+            launched = counts[spec][kind]
             total = sum(launched.values())
             rows.append({"method": spec, "budget": budget, "step": kind, "context": args.context,
                          "launches": total, "layers": layers, "baseline": args.baseline,
                          "per_layer_beyond_baseline": (total - base) / layers,
-                         "by_operator": dict(launched.most_common()), **meta})
+                         "by_operator": dict(launched.most_common()), "kv_dtype": stored[spec], **meta})
             print(f"{spec:24s} {kind:8s} {total:6d} launches, {(total - base) / layers:+.1f} per layer", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,13 +159,17 @@ def run(args) -> None:
 def table(rows: list[dict]) -> str:
     first = rows[0]
     budget = next((r["budget"] for r in rows if r["budget"] is not None), None)
+    base = next(r["by_operator"] for r in rows if r["method"] == first["baseline"] and r["step"] == "plain")
     lines = [f"{first['model']}'s shape in bfloat16 ({first['layers']} layers), {first['context']}-token prompt, "
-             f"budget {budget:g}, commit {first['commit']}: kernels one decode step would launch on a GPU, "
-             f"counted on the CPU (`bench.kernels launches`), and per layer beyond {first['baseline']}'s plain step.", "",
-             "| method | step | launches | per layer beyond the baseline | most launched |", "|---|---|---|---|---|"]
+             f"budget {budget:g}, commit {first['commit']}: kernels one decode step would launch on a GPU, counted "
+             f"on the CPU (`bench.kernels launches`); per layer and by operator, beyond {first['baseline']}'s plain "
+             "step.", "",
+             "| method | step | launches | per layer beyond the baseline | most launched beyond the baseline |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        top = ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in list(r["by_operator"].items())[:4])
+        extra = {name: n - base.get(name, 0) for name, n in r["by_operator"].items()}
+        top = sorted(((n, name) for name, n in extra.items() if n > 0), key=lambda x: (-x[0], x[1]))[:4]
+        shown = ", ".join(f"{name.removeprefix('aten.')} {n}" for n, name in top) or "—"
         lines.append(f"| {r['method']} | {r['step']} | {r['launches']} | {r['per_layer_beyond_baseline']:+.1f} | "
-                     f"{top} |")
+                     f"{shown} |")
     return "\n".join(lines) + "\n"
-

@@ -9,7 +9,7 @@ needs, and a forward of more tokens than that (a continuation read at once) grow
 back to the plan's size. The unused part counts as resident (``reserved``): it is memory the cache holds.
 
 A buffer that ``counts`` on the device also keeps ``count``, its live tokens as a tensor: a single decode token is
-written at that slot by ``index_copy_`` and attention reads the whole buffer (the reserved tail hidden by position),
+written at that slot by ``index_copy_`` and attention reads the whole buffer (the reserved tail hidden by slot index),
 so a plain step runs the same operators on the same shapes at every fill (what a replayed CUDA graph needs).
 """
 
