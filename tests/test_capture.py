@@ -215,3 +215,23 @@ def test_scales_their_dtype_cannot_hold_are_refused(kernels):
         with torch.inference_mode():
             call(model, random_prompt(300), cache, logits_to_keep=1)
         cache.memory_report()
+
+
+def test_the_slots_a_decode_step_hides_are_the_keys_later_than_its_query():
+    """Over a layer's whole buffer a decode step hides the slots no token has reached, by slot index against the
+    device count: exactly the keys whose positions lie after the query's, at every fill and across events."""
+    model, omega = tiny_model("llama", 2), 8
+    cache = make_cache("qevict", model, QEvictConfig(budget=0.3, kernels="torch", omega=omega), max_length=400)
+    seen_hidden = set()
+    with torch.inference_mode():
+        token = call(model, random_prompt(300), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(3 * omega):
+            token = call(model, token, cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            for layer in cache.layers:
+                assert layer.reads_buffer  # the step read the whole buffer
+                query_pos = layer.recent_origin + layer.fp.count - 1  # the newest token's, the last step's query
+                n_quant = layer.quant.num_windows * omega
+                by_position = layer.attended_positions() > query_pos  # (B, N) [quantized | buffer]
+                assert torch.equal(layer.unwritten_slots(n_quant).expand_as(by_position), by_position)
+                seen_hidden.add(int(by_position.sum()))
+    assert len(seen_hidden) > 1 and 0 not in seen_hidden  # several fills, always some unwritten slots
