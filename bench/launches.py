@@ -129,7 +129,7 @@ def run(args) -> None:
 
     model, _, _ = load(args.model, "cpu", args.threads)
     model = model.to(torch.bfloat16)  # as on a GPU: no conversions a float32 model would add
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # its frequencies in float32, as load() has them
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # frequencies in float32, as load() has
     layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(args.context)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context), generator=generator)

@@ -4,15 +4,15 @@ A document holds ``<!-- bench.report KIND FOLDER -->`` ... ``<!-- /bench.report 
 replaces what lies between with the table of KIND rendered from the rows under ``bench/results/FOLDER``, each with a
 footing line read from the rows (what the caches were stored in, the commits, rows from a dirty tree), and redraws
 the Pareto plots (PNG + interactive HTML) of every RULER (``ruler-*.jsonl``) and fidelity folder. Kinds: ``ruler``,
-``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``conditions``, ``choice``, ``claims`` (the paper's claims
-beside ours, bench/claims.py); ``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity
+``fidelity``, ``tpot``, ``speed``, ``studio_latency``, ``studio_lanes`` (the studio's "Time the lanes alone",
+bench/studio_latency.py), ``conditions``, ``choice``, ``claims`` (the paper's claims beside ours, bench/claims.py);
+``versus=A,B`` / ``kl_versus=A,B``: method A minus method B in RULER score / fidelity
 KL, paired; ``headline=M``: M against FullKV and the best baseline at each budget and length; ``drift`` /
 ``drift=A,B``: KL over a long decode and its slope, paired against the best baseline, for every method or for A and
 B; ``vllm_needle`` / ``vllm_serve`` / ``vllm_served``: the vLLM plugin's rows; ``resources``: the fused kernels'
 registers, spills and shared memory (bench/kernel_resources.py); ``launches``: the kernels a decode step launches on
-the GPU's paths (bench/launches.py); ``kvpress``: the baselines beside kvpress's
-presses (bench/kvpress_check.py). ``tests/test_bench_docs.py`` fails when the
-committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
+the GPU's paths (bench/launches.py); ``kvpress``: the baselines beside kvpress's presses (bench/kvpress_check.py).
+``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
 together)."""
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         from .studio_latency import table as latency_table
 
         return latency_table(read_jsonl(sorted(f for p in paths for f in p.glob("studio_latency.jsonl"))))
+    if kind == "studio_lanes":
+        from .studio_latency import lanes_table
+
+        return lanes_table(read_jsonl(sorted(f for p in paths for f in p.glob("studio_lanes.jsonl"))))
     if kind == "speed":
         from .speed import speed_table
 
@@ -122,8 +126,8 @@ def render(kind: str, folders: str, results: Path = RESULTS) -> str:
         fidelity = read_jsonl(sorted(f for p in paths for f in (p / "fidelity").glob("fidelity*.jsonl")))
         return table(choose(ruler, fidelity, "qevict"), "qevict")
     raise ValueError(f"unknown table kind {kind!r}; kinds: ruler, fidelity, tpot, speed, studio_latency, conditions, "
-                     "choice, claims, resources, launches, kvpress, versus=A,B, kl_versus=A,B, headline=M, vllm_needle, "
-                     "vllm_serve, vllm_served, drift, drift=A,B")
+                     "choice, claims, resources, launches, studio_lanes, kvpress, versus=A,B, kl_versus=A,B, "
+                     "headline=M, vllm_needle, vllm_serve, vllm_served, drift, drift=A,B")
 
 
 def footing(folders: str, results: Path = RESULTS, caches: bool = True) -> str:

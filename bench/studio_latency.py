@@ -6,6 +6,7 @@ this machine (what a visitor sees: from the click on Generate to the first "Gene
     python -m bench.studio_latency --rounds 2 --threads 2 --out bench/results/studio_latency
     python -m bench.studio_latency --browser --rounds 2 --threads 2 --out bench/results/studio_latency
     python -m bench.studio_latency --busy 2 --rounds 2 --threads 2 --out bench/results/studio_latency
+    python -m bench.studio_latency --time-lanes --rounds 3 --threads 1 --out bench/results/studio_lanes
 
 ``--busy N`` keeps N other processes spinning on the CPU for the whole run: the studio on a machine it shares
 (benchmarks often run beside it), the same load every time.
@@ -14,6 +15,11 @@ One JSON line per (example, round): seconds to the first "Generating" update and
 example asks for, each lane's measured share of FullKV's bytes and whether it found the expected answer, the
 machine's load average when the run started (benchmarks often share the machine: the row says how busy it was),
 ``busy`` (the spinning processes ``--busy`` started) and ``through`` ("handlers" or "browser").
+
+``--time-lanes``: after each example's run, its "Time the lanes alone" (the Replay tab's button, as a visitor
+presses it: ``Studio.time_lanes`` at its defaults, what ``bench.tpot`` measures on the run's own prompt), pressed
+``--rounds`` times; one JSON line per press into ``studio_lanes.jsonl``: each lane's ms per token and its ratio to
+the FullKV lane.
 """
 
 from __future__ import annotations
@@ -40,13 +46,16 @@ def measure(handlers, example) -> dict:
     controls = Controls.lanes(list(DEFAULT_LANES), prompt=example.prompt, max_new_tokens=example.max_new_tokens,
                               expected=example.expected, budget=example.budget, temperature=example.temperature,
                               seed=example.seed)
-    start, first, last = time.perf_counter(), None, None
+    start, first, last, session = time.perf_counter(), None, None, None
     for last in handlers.generate(controls, Shown(layer=handlers.pickers.layers // 2)):
         if first is None and last.status.startswith("**Generating"):
             first = time.perf_counter() - start
+        if isinstance(last.ref, dict) and "id" in last.ref:  # the new run's session, for this browser's list
+            session = last.ref["id"]
     total = time.perf_counter() - start
     found, kv_percent = lanes_shown(last.view.lanes, example.expected)
-    return {"first_token_s": first, "total_s": total, "status": last.status, "found": found, "kv_percent": kv_percent}
+    return {"first_token_s": first, "total_s": total, "status": last.status, "found": found, "kv_percent": kv_percent,
+            "session": session}
 
 
 def lanes_shown(cards_html: str, expected: str) -> tuple[dict, dict]:
@@ -112,6 +121,8 @@ def main(argv=None) -> None:
     parser.add_argument("--browser", action="store_true", help="click through Debian's chromium (/usr/bin/chromium)")
     parser.add_argument("--busy", type=int, default=0, help="processes kept spinning on the CPU while it runs")
     parser.add_argument("--examples", default=None, help="comma-separated example names (default: all)")
+    parser.add_argument("--time-lanes", action="store_true",
+                        help="after each run, press its \"Time the lanes alone\" --rounds times (studio_lanes.jsonl)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     from qevict_core import QEvictConfig
@@ -126,10 +137,16 @@ def main(argv=None) -> None:
     meta["kv_dtype"] = dtype_name(QEvictConfig().storage_dtype(model.dtype))
     handlers = RunHandlers(Studio(model, tokenizer, SessionStore(make_engine("sqlite://")), meta["model"]), TabRuns())
     out = Path(args.out) / "studio_latency.jsonl"
-    names = args.examples.split(",") if args.examples else list(EXAMPLES)
+    names = example_names(args.examples, EXAMPLES) if args.examples else list(EXAMPLES)
     unknown = sorted(set(names) - set(EXAMPLES))
     if unknown:
         parser.error(f"unknown examples {unknown}; choose from {list(EXAMPLES)}")
+    if args.time_lanes:
+        if args.browser:
+            parser.error("--time-lanes presses the button through the handlers: leave out --browser")
+        for name in names:
+            time_lanes(handlers, name, args.rounds, Path(args.out) / "studio_lanes.jsonl", meta)
+        return
     with studio_in_chromium(model, tokenizer, meta["model"]) if args.browser else nullcontext() as served, \
             spinning(args.busy):
         for round_ in range(args.rounds):
@@ -138,9 +155,56 @@ def main(argv=None) -> None:
                 load = os.getloadavg()[0]
                 timed = (measure_in_browser(*served, name, example.expected) if served else
                          measure(handlers, example))
+                timed.pop("session", None)
                 row = {"example": name, "round": round_, "through": "browser" if served else "handlers",
                        "busy": args.busy, "load_1min": load, "max_new_tokens": example.max_new_tokens, **timed, **meta}
                 report(out, row)
+
+
+def example_names(text: str, known) -> list[str]:
+    """Comma-separated example names, where a name may hold a comma itself ("A window demoted, then promoted
+    back"): pieces are joined until they make a known name; what never does is returned as it was written."""
+    names, piece = [], ""
+    for part in text.split(","):
+        piece = f"{piece},{part}" if piece else part
+        if piece.strip() in known:
+            names.append(piece.strip())
+            piece = ""
+    return names + ([piece.strip()] if piece else [])
+
+
+def time_lanes(handlers, name: str, presses: int, out: Path, meta: dict) -> None:
+    """One run of example ``name`` on the default lanes, then its "Time the lanes alone" pressed ``presses`` times."""
+    run = measure(handlers, handlers.pick_example(name))
+    if run["session"] is None or not run["status"].startswith("**Done"):
+        raise RuntimeError(f"{name}: the run did not finish ({run['status'][:200]})")
+    for press in range(presses):
+        timing = handlers.studio.time_lanes(run["session"])
+        row = {"example": name, "press": press, "prompt_tokens": timing.prompt_tokens, "steps": timing.steps,
+               "baseline": timing.baseline, "lanes": timing.lanes, "load_1min": os.getloadavg()[0], **meta}
+        append_jsonl(out, row)
+        print(f"{name[:40]:40s} " + ", ".join(f"{lane} {1000 * t['tpot']:.1f} ms (x{t['ratio']:.3f})"
+                                             for lane, t in timing.lanes.items()), flush=True)
+
+
+def lanes_table(rows: list[dict]) -> str:
+    """Per example: each lane's median ms per token over the presses and its ratio to the baseline lane (median,
+    with the range over presses)."""
+    from statistics import median
+
+    lines = ["| commit | example | prompt tokens | presses | lane | ms per token, alone | × FullKV [range] |",
+             "|---|---|---|---|---|---|---|"]
+    for commit, name in dict.fromkeys((r["commit"], r["example"]) for r in rows):
+        group = [r for r in rows if (r["commit"], r["example"]) == (commit, name)]
+        for lane in group[0]["lanes"]:
+            ratios = [r["lanes"][lane]["ratio"] for r in group]
+            lines.append(f"| {commit} | {name} | {group[0]['prompt_tokens']:,} | {len(group)} | {lane} | "
+                         f"{1000 * median(r['lanes'][lane]['tpot'] for r in group):.1f} | {median(ratios):.3f} "
+                         f"[{min(ratios):.3f}–{max(ratios):.3f}] |")
+    first = rows[0]
+    return (f"{first['model']} on {first['cpu']} ({first['threads']} threads), {first['date']}: the studio's \"Time "
+            f"the lanes alone\" after each example's run on the default lanes, {first['steps']} decode steps of "
+            "every lane interleaved per press; medians over presses.\n\n" + "\n".join(lines) + "\n")
 
 
 def _spin(started) -> None:

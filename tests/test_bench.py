@@ -361,6 +361,29 @@ def test_studio_latency_runs_each_example_at_its_own_settings():
     assert set(row["found"]) == {"fullkv", "snapkv", "qevict"}
     assert row["kv_percent"]["qevict"] <= 100 * example.budget + 0.05  # at the example's 40%, not the form's 20%
     assert row["kv_percent"]["qevict"] > 100 * QEvictConfig().budget
+    assert isinstance(row["session"], str)  # the run's session, for "Time the lanes alone"
+
+
+@pytest.mark.slow  # a benchmark end to end
+def test_studio_latency_presses_time_the_lanes_alone_after_a_run(tmp_path, monkeypatch):
+    """--time-lanes: each example run once, then its "Time the lanes alone" pressed per round, one row per press with
+    every lane's time per token and its ratio to the FullKV lane; the table renders from those rows."""
+    from bench import studio_latency
+    from tests.conftest import tiny_chat_model, tiny_tokenizer
+
+    monkeypatch.setattr(studio_latency, "setup", lambda *a: (tiny_chat_model(), tiny_tokenizer(), {
+        "model": "tiny", "cpu": "x86", "threads": 1, "date": "today", "commit": "abc", "dirty": False}))
+    monkeypatch.setattr("ui.studio.Studio.time_lanes.__defaults__", (3, 1))  # 3 new tokens, 1 round: a smoke run
+    studio_latency.main(["--time-lanes", "--rounds", "2", "--examples", "A window demoted, then promoted back",
+                         "--out", str(tmp_path)])
+    rows = read_jsonl([tmp_path / "studio_lanes.jsonl"])
+    assert studio_latency.example_names("A window demoted, then promoted back,Nope", {"A window demoted, then "
+                                        "promoted back": 1}) == ["A window demoted, then promoted back", "Nope"]
+    assert [r["press"] for r in rows] == [0, 1] and set(rows[0]["lanes"]) == {"fullkv", "snapkv", "qevict"}
+    assert rows[0]["baseline"] == "fullkv" and rows[0]["lanes"]["fullkv"]["ratio"] == 1.0
+    assert all(lane["tpot"] > 0 for r in rows for lane in r["lanes"].values())
+    table = studio_latency.lanes_table(rows)
+    assert "| abc | A window demoted, then promoted back |" in table and table.count("| 2 | qevict |") == 1
 
 
 def test_a_ruler_sweep_cut_short_covers_every_task_and_shards_split_it():
