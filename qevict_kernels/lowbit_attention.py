@@ -128,6 +128,13 @@ def _split_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_sc
     part = (bh * SPLITS + split) * R + rows  # out (B, Hkv, SPLITS, R, D), lse (B, Hkv, SPLITS, R)
     tl.store(out_ptr + part[:, None] * D + dims[None, :], out, mask=rmask[:, None])
     tl.store(lse_ptr + part, lse, mask=rmask)
+    # this split's windows past the live count: -inf, written here so the caller need not fill the table first
+    # (one launch fewer per layer and step)
+    end = tl.minimum(start + windows_per_split, cap)
+    for first in range(tl.maximum(start, count), end, WB):
+        win = first + tl.arange(0, WB)
+        tl.store(win_lse_ptr + (bh * cap + win)[None, :] * R + rows[:, None],
+                 tl.full([BLOCK_R, WB], float("-inf"), tl.float32), mask=rmask[:, None] & (win < end)[None, :])
 
 
 @triton.jit
@@ -191,13 +198,13 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, fp_out_ptr, fp_lse_ptr, win_lse_pt
     tl.store(out_ptr + (bh * R + rows)[:, None] * D + dims[None, :], acc, mask=rmask[:, None])
     tl.store(lse_ptr + bh * R + rows, total, mask=rmask)
     count = tl.load(count_ptr + b)
-    for first in range(0, count, BLOCK_W):
+    for first in range(0, cap, BLOCK_W):  # every slot written (0 past the live count): no fill before the launch
         win = first + tl.arange(0, BLOCK_W)
         wmask = win < count
         w_lse = tl.load(win_lse_ptr + (bh * cap + win)[None, :] * R + rows[:, None],
                         mask=rmask[:, None] & wmask[None, :], other=float("-inf"))
         mass = tl.sum(tl.exp(w_lse - safe_total[:, None]), axis=0)
-        tl.store(mass_ptr + bh * cap + win, mass, mask=wmask)
+        tl.store(mass_ptr + bh * cap + win, mass, mask=win < cap)
 
 
 def step_table(inv_freq: torch.Tensor, omega: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +244,7 @@ def lowbit_attention(query: torch.Tensor, ledger: PackedWindows, count: torch.Te
     cos_t, sin_t = step if step is not None else step_table(inv_freq, omega)
     parts_out = torch.empty(b, hkv, splits, r, d, device=query.device, dtype=torch.float32)
     parts_lse = torch.empty(b, hkv, splits, r, device=query.device, dtype=torch.float32)
-    win_lse = torch.full((b, hkv, cap, r), float("-inf"), device=query.device, dtype=torch.float32)
+    win_lse = torch.empty(b, hkv, cap, r, device=query.device, dtype=torch.float32)  # every slot written by the kernel
     _split_kernel[(b * hkv, splits)](
         query.contiguous(), ledger.k_codes, ledger.k_scale, ledger.k_zero, ledger.v_codes, ledger.v_scale,
         ledger.v_zero, ledger.ids, count, inv_freq.float().contiguous(), cos_t, sin_t, parts_out, parts_lse,
@@ -255,7 +262,7 @@ def merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ids: torch.Tensor, coun
     cap = win_lse.shape[2]
     out = torch.empty(b, hkv, r, d, device=parts_out.device, dtype=torch.float32)
     lse = torch.empty(b, hkv, r, device=parts_out.device, dtype=torch.float32)
-    mass = torch.zeros(b, hkv, cap, device=parts_out.device, dtype=torch.float32)
+    mass = torch.empty(b, hkv, cap, device=parts_out.device, dtype=torch.float32)  # every slot written by the kernel
     _merge_kernel[(b * hkv,)](parts_out, parts_lse, fp_out.float().contiguous(), fp_lse.float().contiguous(),
                               win_lse, ids, count, out, lse, mass, cap, SPLITS=splits, HKV=hkv, R=r,
                               BLOCK_R=max(16, triton.next_power_of_2(r)), D=d, BLOCK_W=64)

@@ -110,6 +110,22 @@ def test_merge_with_the_full_precision_part_conserves_the_mass(case):
     torch.testing.assert_close(mass[:, :, :case[4]], per_window, rtol=3e-2, atol=3e-3)
 
 
+def test_the_kernels_write_every_slot_of_their_outputs(monkeypatch):
+    """Their outputs are allocated without a fill (a launch fewer each): with the allocations poisoned (NaN), the
+    windows past the live count still read -inf (their log-sum-exp) and 0 (their mass), over several splits."""
+    import qevict_kernels.lowbit_attention as kernels
+
+    monkeypatch.setattr(kernels.torch, "empty", lambda *size, **kw: torch.full(size, float("nan"), **kw))
+    ledger, _, rows, count = setup((2, 2, 3, 1, 5, 23, 8, 64, 4, torch.float32), seed=5)  # 5 of 23 live
+    count[1] = 0  # a row with an empty tier
+    parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, SINKS, inv_freq(64), 1.0, 0.125, splits=3)
+    fp_out, fp_lse = torch.zeros(2, 2, 3, 64, device=DEVICE), torch.zeros(2, 2, 3, device=DEVICE)
+    out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
+    assert torch.isinf(win_lse[0, :, 5:]).all() and torch.isinf(win_lse[1]).all() and win_lse[0, :, :5].isfinite().all()
+    assert (mass[0, :, 5:] == 0).all() and (mass[1] == 0).all() and (mass[0, :, :5] > 0).all()
+    assert out.isfinite().all() and lse.isfinite().all()
+
+
 def _reference_keys(live, d):
     return dequantized_keys_reference(live, SINKS, inv_freq(d), 1.0)
 
