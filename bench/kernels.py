@@ -243,7 +243,8 @@ def main(argv=None) -> None:
     kernel_resources.add_arguments(sub.add_parser("resources", help="registers, spills and shared memory on sm_90"))
     launches.add_arguments(sub.add_parser("launches", help="kernels a decode step launches on the GPU's paths"))
     args = parser.parse_args(argv)
-    {"attention": attention, "c": c_kernel, "resources": kernel_resources.run, "launches": launches.run}[args.kernel](args)
+    run = {"attention": attention, "c": c_kernel, "resources": kernel_resources.run, "launches": launches.run}
+    run[args.kernel](args)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
     python -m bench.kernels launches [--methods fullkv_static,qevict@torch,qevict@triton --context 1024]
 
-Replayed from a CUDA graph, a decode step costs at least a launch slot per kernel, whatever the kernel reads; at a
-20% budget on an 8B shape QEvict's whole margin over FullKV is a few microseconds per layer (../docs/gpu-path.md
-§3), so a few extra kernels per layer erase it. Here one plain decode step and one routing step of each method, on
-the model's shape in bfloat16 (its dtype on a GPU) with random weights, run under a dispatch mode that counts what
-would launch: an operator that writes memory (in place, or into storage none of its inputs has), not a view, a
-no-op conversion or an allocation; and each Triton kernel (run by the Triton interpreter here, whose own operators
-are not counted). Steps are taken once the tiers hold their planned sizes (past two routing events), so a step is
+Replayed from a CUDA graph, a decode step costs at least a launch slot per kernel, whatever the kernel reads; on an
+8B shape at 8K tokens and batch 1 the KV bytes QEvict saves per layer take an H200 about as long to read as one
+launch costs, so a few extra kernels per layer erase its margin over FullKV. Here one plain decode step and one
+routing step of each method, on the model's shape in bfloat16 (its dtype on a GPU) with random weights, run under
+a dispatch mode that counts what would launch: an operator that writes memory (in place, or into storage none of
+its inputs has), not a view, a no-op conversion or an allocation; and each Triton kernel (run by the Triton
+interpreter here, whose own operators are not counted). Steps are taken once the tiers hold their planned sizes (past two routing events), so a step is
 the call a graph replays. One JSON line per (method, step kind): the count, and per layer beyond the baseline's.
 """
 

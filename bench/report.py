@@ -12,8 +12,8 @@ KL, paired; ``headline=M``: M against FullKV and the best baseline at each budge
 B; ``vllm_needle`` / ``vllm_serve`` / ``vllm_served``: the vLLM plugin's rows; ``resources``: the fused kernels'
 registers, spills and shared memory (bench/kernel_resources.py); ``launches``: the kernels a decode step launches on
 the GPU's paths (bench/launches.py); ``kvpress``: the baselines beside kvpress's presses (bench/kvpress_check.py).
-``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may name several folders joined by ``+`` (their rows are read
-together)."""
+``tests/test_bench_docs.py`` fails when the committed text differs from a fresh render. FOLDER may name several
+folders joined by ``+`` (their rows are read together)."""
 
 from __future__ import annotations
 

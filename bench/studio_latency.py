@@ -163,12 +163,12 @@ def main(argv=None) -> None:
 
 def example_names(text: str, known) -> list[str]:
     """Comma-separated example names, where a name may hold a comma itself ("A window demoted, then promoted
-    back"): pieces are joined until they make a known name; what never does is returned as it was written."""
+    back"): pieces are joined while they begin a known name; what makes none is returned as written."""
     names, piece = [], ""
     for part in text.split(","):
         piece = f"{piece},{part}" if piece else part
-        if piece.strip() in known:
-            names.append(piece.strip())
+        if piece.strip() in known or not any(name.startswith(piece.strip() + ",") for name in known):
+            names.append(piece.strip())  # a known name, or one no further piece can complete
             piece = ""
     return names + ([piece.strip()] if piece else [])
 

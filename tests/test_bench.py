@@ -377,8 +377,10 @@ def test_studio_latency_presses_time_the_lanes_alone_after_a_run(tmp_path, monke
     studio_latency.main(["--time-lanes", "--rounds", "2", "--examples", "A window demoted, then promoted back",
                          "--out", str(tmp_path)])
     rows = read_jsonl([tmp_path / "studio_lanes.jsonl"])
-    assert studio_latency.example_names("A window demoted, then promoted back,Nope", {"A window demoted, then "
-                                        "promoted back": 1}) == ["A window demoted, then promoted back", "Nope"]
+    known = {"A window demoted, then promoted back": 1, "Two facts": 2}
+    assert studio_latency.example_names("A window demoted, then promoted back,Nope,Two facts", known) == [
+        "A window demoted, then promoted back", "Nope", "Two facts"]
+    assert studio_latency.example_names("A window demoted", known) == ["A window demoted"]  # unknown, as written
     assert [r["press"] for r in rows] == [0, 1] and set(rows[0]["lanes"]) == {"fullkv", "snapkv", "qevict"}
     assert rows[0]["baseline"] == "fullkv" and rows[0]["lanes"]["fullkv"]["ratio"] == 1.0
     assert all(lane["tpot"] > 0 for r in rows for lane in r["lanes"].values())
