@@ -30,6 +30,10 @@ SPLIT_SIGNATURE = {"q_ptr": "*bf16", "k_codes_ptr": "*u8", "k_scale_ptr": "*{pai
 MERGE_SIGNATURE = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fp_out_ptr": "*fp32", "fp_lse_ptr": "*fp32",
                    "win_lse_ptr": "*fp32", "ids_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*fp32",
                    "lse_ptr": "*fp32", "mass_ptr": "*fp32", "cap": "i32"}
+FOLD_SIGNATURE = {"table_ptr": "*fp32", "win_mass_ptr": "*fp32", "count_ptr": "*i32", "quant_ids_ptr": "*i32",
+                  "logits_ptr": "*fp32", "lse_ptr": "*fp32", "full_ids_ptr": "*i32", "origin_ptr": "*i64", "cap": "i32",
+                  "n": "i32", "n_full": "i32", "sinks": "i32", "full_tokens": "i32", "num_windows": "i32",
+                  "inv_heads": "fp32"}
 # (head_dim, rows = GQA group x queries, KV heads): SmolLM2 (64, 3, 3) and an 8B shape (128, 4, 8), decode steps
 SHAPES = [(64, 3, 3), (128, 4, 8)]
 
@@ -47,6 +51,8 @@ def configurations() -> list[dict]:
     for d, rows, hkv in SHAPES:
         out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
                     "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
+        out.append({"kernel": "fold", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
+                    "constants": dict(HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64)})
     return out
 
 
@@ -66,9 +72,10 @@ def _compile(config: dict, num_warps: int, target: str | None) -> dict:
     from triton.compiler import ASTSource
 
     from qevict_kernels.lowbit_attention import _merge_kernel, _split_kernel
+    from qevict_kernels.score_fold import _fold_kernel
 
-    fn, signature = ((_split_kernel, SPLIT_SIGNATURE) if config["kernel"] == "split"
-                     else (_merge_kernel, MERGE_SIGNATURE))
+    fn, signature = {"split": (_split_kernel, SPLIT_SIGNATURE), "merge": (_merge_kernel, MERGE_SIGNATURE),
+                     "fold": (_fold_kernel, FOLD_SIGNATURE)}[config["kernel"]]
     signature = {k: v.format(pair=config["pair"]) for k, v in signature.items()}
     constants = config["constants"]
     signature.update({name: "constexpr" for name in constants})

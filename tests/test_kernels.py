@@ -14,6 +14,7 @@ from qevict_core import QEvictConfig, make_cache
 from qevict_core.engine.ledger import WindowLedger
 from qevict_kernels.lowbit_attention import dequantized_keys_reference, lowbit_attention, lowbit_reference, merge
 from qevict_kernels.merge import fp_attention_masked, fp_attention_with_lse, merge_attention
+from qevict_kernels.score_fold import fold_step_mass, fold_step_mass_reference
 from tests.conftest import KV, random_prompt, tiny_model
 
 SINKS = 5
@@ -124,6 +125,35 @@ def test_the_kernels_write_every_slot_of_their_outputs(monkeypatch):
     assert torch.isinf(win_lse[0, :, 5:]).all() and torch.isinf(win_lse[1]).all() and win_lse[0, :, :5].isfinite().all()
     assert (mass[0, :, 5:] == 0).all() and (mass[1] == 0).all() and (mass[0, :, :5] > 0).all()
     assert out.isfinite().all() and lse.isfinite().all()
+
+
+@pytest.mark.parametrize("b, hkv, r, n, cap, live, n_full, sinks, omega", [
+    (1, 3, 3, 97, 13, 13, 4, 4, 8), (2, 2, 4, 1025, 7, 5, 0, 3, 4), (1, 1, 1, 35, 0, 0, 2, 1, 16)])
+def test_the_fold_kernel_adds_what_the_layers_fold_adds(b, hkv, r, n, cap, live, n_full, sinks, omega):
+    """The step's mass per window into the table in one launch: the low-bit windows' mass summed over the KV heads,
+    the full-precision keys' exp(logit - lse) summed over heads, rows and each window's keys, the recent windows
+    numbered from the device origin, those past the table's end (the unwritten tail) skipped, all over the query
+    heads; against the same fold in PyTorch, to float32 rounding (the sums run in another order)."""
+    gen = torch.Generator().manual_seed(n)
+    width = 40 + n // omega
+    recent = -(-(n - sinks) // omega) - n_full  # windows of the recent region, up to two past the table's end
+    first = width + 2 - recent
+    table = torch.rand(b, width, generator=gen).to(DEVICE)
+    ids = [torch.randperm(min(first, width), generator=gen) for _ in range(b)]  # quantized, then full: older
+    quant_ids = torch.stack([i[:cap] for i in ids]).int().to(DEVICE)
+    full_ids = torch.stack([i[cap:cap + n_full] for i in ids]).int().to(DEVICE)
+    win_mass = torch.rand(b, hkv, cap, generator=gen).to(DEVICE)
+    logits = randn(b, hkv, r, n, generator=gen)
+    logits[..., n - 5:] = float("-inf")  # the unwritten tail
+    lse = torch.logsumexp(logits, -1) + 0.5  # merged with a low-bit part the keys here do not include
+    count = torch.full((b,), live, dtype=torch.int32, device=DEVICE)
+    origin = torch.tensor([first * omega - n_full * omega], dtype=torch.long, device=DEVICE)
+    args = (win_mass, count, quant_ids, logits, lse, full_ids, origin, sinks, n_full * omega, omega, 3 * hkv)
+    got, want = table.clone(), table.clone()
+    fold_step_mass(got, *args)
+    fold_step_mass_reference(want, *args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got != table).sum() == b * (live + n_full + recent - min(2, recent))  # each live window; the tail's not
 
 
 def _reference_keys(live, d):

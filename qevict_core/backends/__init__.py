@@ -79,7 +79,7 @@ class TritonBackend(Backend):
         from . import triton_path
 
         out, quant, fp_keys = triton_path.attend(layer, query, key, value, scaling, scored)
-        if scored:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
+        if quant is not None:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
             layer.fold_windows(quant, fp_keys, query.shape[1])
         return out, None
 

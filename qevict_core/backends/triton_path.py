@@ -3,9 +3,11 @@ under TRITON_INTERPRET=1, for the tests).
 
 ``update`` returns only the full-precision keys [sinks | full | recent]. The low-bit tier goes through one split-K
 pass (``qevict_kernels.lowbit_attention``) that also writes each window's log-sum-exp; the full-precision keys
-through PyTorch's fused attention, which returns its log-sum-exp; one small kernel merges the two by log-sum-exp
-and turns the window log-sum-exps into each window's routing mass. The full-precision keys' own mass is one more
-product over those few keys. Eq. 1 without materialising attention rows or reading the low-bit keys twice.
+through plain math over the layer's whole buffer (its unwritten slots masked; PyTorch's fused attention for a chunk
+of several tokens), which returns its log-sum-exp and masked logits; one small kernel merges the two by
+log-sum-exp and turns the window log-sum-exps into each window's routing mass, and one more
+(``qevict_kernels.score_fold``) adds the step's mass per window into the score table. Eq. 1 without materialising
+attention rows or reading the low-bit keys twice.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent], whose last L keys are the
     queries' own tokens, or the layer's whole buffer (``layer.reads_buffer``, one query: its unwritten tail hidden).
     -> out (B, L, Hq, D) in the query dtype, and when ``scored`` the mass of the step's queries on each low-bit
-    window (B, nQ) and on each full-precision key (B, n), summed over the KV heads."""
+    window (B, nQ) and on each full-precision key (B, n), summed over the KV heads; or None for both where the step
+    folded its mass into the score table itself (``qevict_kernels.score_fold``: over the whole buffer, for a scorer
+    whose fold adds)."""
     from qevict_kernels.lowbit_attention import lowbit_attention, merge
     from qevict_kernels.merge import fp_attention_masked, fp_attention_with_lse
 
@@ -35,8 +39,8 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
         fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
     fp_out, fp_lse = fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3])  # (B, Hq, L, ·) as rows
     quant, owner = layer.quant, layer.owner
+    count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
     if quant.num_windows:
-        count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
         rope = owner.rope
         parts = lowbit_attention(rows, quant, count, owner.config.sinks, rope.inv_freq, rope.attention_scaling,
                                  scaling, splits=owner.lowbit_splits, step=owner.rope_step_table)
@@ -45,6 +49,12 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
         out, lse, window_mass = fp_out, fp_lse, fp_out.new_zeros(b, hkv, 0)
     out = out.reshape(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
     if not scored:
+        return out, None, None
+    if logits is not None and owner.scorer.folds_by_adding:  # the whole fold in one launch, into the table
+        from qevict_kernels.score_fold import fold_step_mass
+
+        fold_step_mass(owner.scorer.mass_table(layer.scores, layer.interval), window_mass, count, quant.ids, logits,
+                       lse, layer.full_ids, layer.recent_origin, layer.fp.sinks, layer.fp.full, layer.grid.omega, hq)
         return out, None, None
     if logits is None:
         logits = rows.float() @ fp_keys.float().transpose(2, 3) * scaling  # (B, Hkv, G*L, n)

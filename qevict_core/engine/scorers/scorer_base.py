@@ -35,6 +35,9 @@ POOL_TIE = 1e-3
 class Scorer:
     name: ClassVar[str] = ""  # the config's ``scorer`` value; a class without one is a base, never listed
     needs_attention = True  # False: ranks without attention mass (so it cannot be pooled)
+    # ``fold`` adds a step's mass into ``mass_table`` and does nothing else, so a kernel may add it there itself
+    # (the fused path's score_fold); a scorer whose fold does more says False
+    folds_by_adding = True
     keeps_interval = False
     reads_aged_keys = False  # on_aged does something: it needs the keys of windows leaving the recent region
     pool: int = 0
