@@ -52,7 +52,7 @@ def configurations() -> list[dict]:
         out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
                     "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
         out.append({"kernel": "fold", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
-                    "constants": dict(HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64)})
+                    "constants": dict(HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64, BLOCK_K=8)})
     return out
 
 

@@ -4,7 +4,8 @@ After the fused path's merge, each low-bit window's mass is known (``lowbit_atte
 full-precision key's is exp(logit - lse) over the step's rows. Eq. 1's table adds, per window, that mass summed
 over the KV heads, the rows and the window's Ω keys, divided by the number of query heads. In PyTorch that is a
 dozen small operators per layer and step (the exponentials, three sums, a pad, a concatenation, the windows' ids
-built from the tiers and the recent region's device origin, a scatter); here one program per batch row does it.
+built from the tiers and the recent region's device origin, a scatter); here one program per batch row does it,
+the full-precision keys a tile of windows at a time (window ids are distinct, so each tile is one masked store).
 
 Layout of the full-precision keys: [sinks | full tier (nF windows, ids ``full_ids``) | recent region], the recent
 region's windows numbered from ``(origin + full_tokens) // Ω`` on (the buffer's slot j holds position origin + j).
@@ -21,7 +22,8 @@ import triton.language as tl
 @triton.jit
 def _fold_kernel(table_ptr, win_mass_ptr, count_ptr, quant_ids_ptr, logits_ptr, lse_ptr, full_ids_ptr, origin_ptr,
                  cap, n, n_full, sinks, full_tokens, num_windows, inv_heads, HKV: tl.constexpr, R: tl.constexpr,
-                 BLOCK_R: tl.constexpr, OMEGA: tl.constexpr, BLOCK_W: tl.constexpr):
+                 BLOCK_R: tl.constexpr, OMEGA: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     b = tl.program_id(0)
     count = tl.load(count_ptr + b)
     for first in range(0, cap, BLOCK_W):  # the low-bit windows: their mass summed over the KV heads
@@ -35,26 +37,28 @@ def _fold_kernel(table_ptr, win_mass_ptr, count_ptr, quant_ids_ptr, logits_ptr, 
         tl.store(table_ptr + b * num_windows + ids, old + mass * inv_heads, mask=live)
     rows = tl.arange(0, BLOCK_R)
     rmask = rows < R
-    t = tl.arange(0, OMEGA)
+    slot = tl.arange(0, BLOCK_K)
+    tok_in = tl.arange(0, BLOCK_K * OMEGA)  # BLOCK_K windows' keys, window-major
     first_recent = (tl.load(origin_ptr) + full_tokens) // OMEGA
     windows = (n - sinks + OMEGA - 1) // OMEGA
-    for k in range(0, windows):  # the full-precision windows after the sinks, one at a time
-        tok = sinks + k * OMEGA + t
+    for first in range(0, windows, BLOCK_K):  # the full-precision windows after the sinks, BLOCK_K at a time
+        tok = sinks + first * OMEGA + tok_in
         tmask = tok < n
-        mass = tl.zeros([OMEGA], tl.float32)
+        per_key = tl.zeros([BLOCK_K * OMEGA], tl.float32)
         for h in tl.static_range(HKV):
             bh = b * HKV + h
             lse = tl.load(lse_ptr + bh * R + rows, mask=rmask, other=0.0)
             logit = tl.load(logits_ptr + (bh * R + rows)[:, None] * n + tok[None, :],
                             mask=rmask[:, None] & tmask[None, :], other=float("-inf"))
-            mass += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
-        if k < n_full:
-            wid = tl.load(full_ids_ptr + b * n_full + k).to(tl.int64)
-        else:
-            wid = first_recent + (k - n_full)
-        if wid < num_windows:
-            old = tl.load(table_ptr + b * num_windows + wid)
-            tl.store(table_ptr + b * num_windows + wid, old + tl.sum(mass, axis=0) * inv_heads)
+            per_key += tl.sum(tl.exp(logit - lse[:, None]), axis=0)
+        mass = tl.sum(tl.reshape(per_key, (BLOCK_K, OMEGA)), axis=1)
+        k = first + slot
+        full = k < n_full
+        wid = tl.where(full, tl.load(full_ids_ptr + b * n_full + k, mask=full, other=0).to(tl.int64),
+                       first_recent + (k - n_full))
+        keep = (k < windows) & (wid < num_windows)  # distinct windows: one store each
+        old = tl.load(table_ptr + b * num_windows + wid, mask=keep, other=0.0)
+        tl.store(table_ptr + b * num_windows + wid, old + mass * inv_heads, mask=keep)
 
 
 def fold_step_mass(table: torch.Tensor, win_mass: torch.Tensor, count: torch.Tensor, quant_ids: torch.Tensor,
@@ -70,7 +74,8 @@ def fold_step_mass(table: torch.Tensor, win_mass: torch.Tensor, count: torch.Ten
     _fold_kernel[(b,)](table, win_mass.contiguous(), count, quant_ids.contiguous(), logits.contiguous(),
                        lse.contiguous(), full_ids.contiguous(), origin, cap, n, full_ids.shape[1], sinks,
                        full_tokens, table.shape[1], 1.0 / q_heads, HKV=hkv, R=r,
-                       BLOCK_R=max(16, triton.next_power_of_2(r)), OMEGA=omega, BLOCK_W=64)
+                       BLOCK_R=max(16, triton.next_power_of_2(r)), OMEGA=omega, BLOCK_W=64,
+                       BLOCK_K=max(1, 64 // omega))
 
 
 def fold_step_mass_reference(table: torch.Tensor, win_mass: torch.Tensor, count: torch.Tensor,
