@@ -8,8 +8,9 @@ launch costs, so a few extra kernels per layer erase its margin over FullKV. Her
 routing step of each method, on the model's shape in bfloat16 (its dtype on a GPU) with random weights, run under
 a dispatch mode that counts what would launch: an operator that writes memory (in place, or into storage none of
 its inputs has), not a view, a no-op conversion or an allocation; and each Triton kernel (run by the Triton
-interpreter here, whose own operators are not counted). Steps are taken once the tiers hold their planned sizes (past two routing events), so a step is
-the call a graph replays. One JSON line per (method, step kind): the count, and per layer beyond the baseline's.
+interpreter here, whose own operators are not counted). Steps are taken once the tiers hold their planned sizes
+(past two routing events), so a step is the call a graph replays. One JSON line per (method, step kind): the count,
+and per layer beyond the baseline's.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def watch_triton(counter: CountLaunches):
     return lambda: setattr(GridExecutor, "__call__", call)
 
 
+def in_bfloat16(model):
+    """``model`` in bfloat16, its dtype on a GPU (no conversions a float32 model would add), with its rotary
+    frequencies rebuilt in float32 as transformers makes them (``.to`` would have rounded them)."""
+    model = model.to(torch.bfloat16)
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(next(model.parameters()).device)
+    return model
+
+
 def steps_of(model, variant: Variant, budget: float | None, prompt: torch.Tensor, max_new: int) -> dict:
     """{"plain": Counter, "routing": Counter} of one steady-state step of each kind."""
     from qevict_core.generation.model_call import call
@@ -128,8 +137,7 @@ def run(args) -> None:
     from .speed import load
 
     model, _, _ = load(args.model, "cpu", args.threads)
-    model = model.to(torch.bfloat16)  # as on a GPU: no conversions a float32 model would add
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # frequencies in float32, as load() has
+    model = in_bfloat16(model)
     layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(args.context)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context), generator=generator)

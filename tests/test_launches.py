@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.common import Variant
-from bench.launches import CountLaunches, steps_of
+from bench.launches import CountLaunches, in_bfloat16, steps_of
 from tests.conftest import random_prompt, tiny_model
 
 
@@ -29,8 +29,7 @@ PLAIN_STEP_BOUND = {"qevict@torch": 50, "qevict@triton": 14}
 
 @pytest.mark.parametrize("spec", sorted(PLAIN_STEP_BOUND))
 def test_a_plain_decode_step_launches_no_more_than_today(spec):
-    model = tiny_model("llama", 2).to(torch.bfloat16)
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # its frequencies in float32
+    model = in_bfloat16(tiny_model("llama", 2))
     prompt = random_prompt(300)
     base = sum(steps_of(model, Variant.parse("fullkv_static"), None, prompt, 4)["plain"].values())
     counted = steps_of(model, Variant.parse(spec), 0.3, prompt, 96)
