@@ -30,6 +30,8 @@ SPLIT_SIGNATURE = {"q_ptr": "*bf16", "k_codes_ptr": "*u8", "k_scale_ptr": "*{pai
 MERGE_SIGNATURE = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fp_out_ptr": "*fp32", "fp_lse_ptr": "*fp32",
                    "win_lse_ptr": "*fp32", "ids_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*fp32",
                    "lse_ptr": "*fp32", "mass_ptr": "*fp32", "cap": "i32"}
+FP_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*{pair}", "v_ptr": "*{pair}", "count_ptr": "*i64", "out_ptr": "*fp32",
+                "lse_ptr": "*fp32", "logits_ptr": "*fp32", "n": "i32", "keys_per_split": "i32", "scale": "fp32"}
 FOLD_SIGNATURE = {"table_ptr": "*fp32", "win_mass_ptr": "*fp32", "count_ptr": "*i32", "quant_ids_ptr": "*i32",
                   "logits_ptr": "*fp32", "lse_ptr": "*fp32", "full_ids_ptr": "*i32", "origin_ptr": "*i64", "cap": "i32",
                   "n": "i32", "n_full": "i32", "sinks": "i32", "full_tokens": "i32", "num_windows": "i32",
@@ -40,7 +42,9 @@ SHAPES = [(64, 3, 3), (128, 4, 8)]
 
 def configurations() -> list[dict]:
     """Every (kernel, constants) the engine launches on a GPU for the shapes above, INT2 and INT4, half-precision
-    pairs in float16 (the default) and bfloat16 ("model" on a bf16 model)."""
+    pairs in float16 (the default) and bfloat16 ("model" on a bf16 model); the full-precision part over a cache in
+    either 16-bit dtype (its "pair" column)."""
+    from qevict_kernels.fp_attention import block_keys
     from qevict_kernels.lowbit_attention import tile_windows
 
     out = []
@@ -48,9 +52,12 @@ def configurations() -> list[dict]:
         out.append({"kernel": "split", "D": d, "R": rows, "HKV": hkv, "BITS": bits, "pair": pair,
                     "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, SINKS=5, OMEGA=8, BITS=bits, D=d,
                                       WB=tile_windows(d, 8), FAST_TRIG=True)})
+    for (d, rows, hkv), cache in product(SHAPES, ("bf16", "fp16")):
+        out.append({"kernel": "fp", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": cache,
+                    "constants": dict(SPLITS=8, R=rows, BLOCK_R=16, D=d, BLOCK_N=block_keys(d), EXACT=False)})
     for d, rows, hkv in SHAPES:
         out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
-                    "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
+                    "constants": dict(SPLITS=8, FP_SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
         out.append({"kernel": "fold", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
                     "constants": dict(HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64, BLOCK_K=8)})
     return out
@@ -71,11 +78,12 @@ def _compile(config: dict, num_warps: int, target: str | None) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from qevict_kernels.fp_attention import _fp_kernel
     from qevict_kernels.lowbit_attention import _merge_kernel, _split_kernel
     from qevict_kernels.score_fold import _fold_kernel
 
     fn, signature = {"split": (_split_kernel, SPLIT_SIGNATURE), "merge": (_merge_kernel, MERGE_SIGNATURE),
-                     "fold": (_fold_kernel, FOLD_SIGNATURE)}[config["kernel"]]
+                     "fold": (_fold_kernel, FOLD_SIGNATURE), "fp": (_fp_kernel, FP_SIGNATURE)}[config["kernel"]]
     signature = {k: v.format(pair=config["pair"]) for k, v in signature.items()}
     constants = config["constants"]
     signature.update({name: "constexpr" for name in constants})

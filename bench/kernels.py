@@ -13,7 +13,8 @@ without a GPU (``launches``, bench/launches.py).
 heads, head_dim 128 (an 8B shape), one query per head:
 
 - ``fused``: QEvict's path: the T tokens in the low-bit tier, read once by ``qevict_kernels.lowbit_attention``,
-  plus 64 full-precision tokens (sinks and recent) through SDPA, merged by log-sum-exp with every window's mass;
+  plus 64 full-precision tokens (sinks and recent) through ``qevict_kernels.fp_attention`` (as a layer's whole
+  buffer), merged by log-sum-exp with every window's mass;
 - ``old_kernel``: the first Triton kernel over the same tier (``bench/old_kernel.py``), attention only;
 - ``dequant+sdpa``: the tier dequantized and re-rotated in PyTorch, then SDPA;
 - ``sdpa_bf16``: SDPA (on CUDA its flash backend) over T bfloat16 tokens: FullKV's attention.
@@ -93,8 +94,8 @@ def copy_bandwidth(device: str, repeats: int) -> float | None:
 
 def case(batch: int, keys: int, bits: int, device: str, repeats: int) -> list[dict]:
     from qevict_core.engine.ledger import WindowLedger
+    from qevict_kernels.fp_attention import buffer_attention
     from qevict_kernels.lowbit_attention import dequantized_keys_reference, lowbit_attention, merge
-    from qevict_kernels.merge import fp_attention_with_lse
 
     from .old_kernel import quant_attention
 
@@ -113,10 +114,12 @@ def case(batch: int, keys: int, bits: int, device: str, repeats: int) -> list[di
     scale = d ** -0.5
     ledger_bytes = sum(ledger.nbytes_by_component().values())
 
-    def fused():
+    fp_count = torch.tensor([FP_TOKENS], device=device)
+
+    def fused():  # as the engine's decode step over a layer's whole buffer
         parts = lowbit_attention(rows, ledger, count, 5, inv_freq, 1.0, scale)
-        fp_out, fp_lse = fp_attention_with_lse(query, fp_k, fp_v, scale, causal_tail=False)
-        return merge(*parts[:2], fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3]), parts[2], ids, count)
+        fp_out, fp_lse, _ = buffer_attention(rows, fp_k, fp_v, fp_count, scale)
+        return merge(*parts[:2], fp_out, fp_lse, parts[2], ids, count)
 
     def dequant_sdpa():
         keys_, values_ = dequantized_keys_reference(ledger, 5, inv_freq, 1.0, dtype)

@@ -123,11 +123,7 @@ def _split_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_sc
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), values.to(tl.float16))
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    lse = tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    part = (bh * SPLITS + split) * R + rows  # out (B, Hkv, SPLITS, R, D), lse (B, Hkv, SPLITS, R)
-    tl.store(out_ptr + part[:, None] * D + dims[None, :], out, mask=rmask[:, None])
-    tl.store(lse_ptr + part, lse, mask=rmask)
+    _store_split(out_ptr, lse_ptr, (bh * SPLITS + split) * R + rows, rmask, dims, acc, l, m, D)
     # this split's windows past the live count: -inf, written here so the caller need not fill the table first
     # (one launch fewer per layer and step)
     end = tl.minimum(start + windows_per_split, cap)
@@ -135,6 +131,16 @@ def _split_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_sc
         win = first + tl.arange(0, WB)
         tl.store(win_lse_ptr + (bh * cap + win)[None, :] * R + rows[:, None],
                  tl.full([BLOCK_R, WB], float("-inf"), tl.float32), mask=rmask[:, None] & (win < end)[None, :])
+
+
+@triton.jit
+def _store_split(out_ptr, lse_ptr, part, rmask, dims, acc, l, m, D: tl.constexpr):
+    """A split's normalised output and natural log-sum-exp from its online softmax in base 2 (-inf for a split that
+    saw no key) at rows ``part``: out (B, Hkv, S, R, D), lse (B, Hkv, S, R)."""
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    lse = tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(out_ptr + part[:, None] * D + dims[None, :], out, mask=rmask[:, None])
+    tl.store(lse_ptr + part, lse, mask=rmask)
 
 
 @triton.jit
@@ -170,31 +176,28 @@ def _per_token(x, WB: tl.constexpr, OMEGA: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, fp_out_ptr, fp_lse_ptr, win_lse_ptr, ids_ptr, count_ptr, out_ptr,
-                  lse_ptr, mass_ptr, cap, SPLITS: tl.constexpr, HKV: tl.constexpr, R: tl.constexpr,
-                  BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One (batch row, KV head): the splits and the full-precision part merged by log-sum-exp -> out (B, Hkv, R,
-    D) float32 and lse (B, Hkv, R); then each live window's mass, Σ_rows exp(lse_w - lse), -> mass (B, Hkv, cap)."""
+                  lse_ptr, mass_ptr, cap, SPLITS: tl.constexpr, FP_SPLITS: tl.constexpr, HKV: tl.constexpr,
+                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One (batch row, KV head): the low-bit splits and the full-precision ones merged by log-sum-exp -> out (B, Hkv,
+    R, D) float32 and lse (B, Hkv, R); then each live window's mass, Σ_rows exp(lse_w - lse), -> mass (B, Hkv, cap)."""
     bh = tl.program_id(0)
     b = bh // HKV
     rows = tl.arange(0, BLOCK_R)
     rmask = rows < R
     dims = tl.arange(0, D)
-    total = tl.load(fp_lse_ptr + bh * R + rows, mask=rmask, other=float("-inf"))
+    total = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for split in range(FP_SPLITS):
+        total = _log_add(total, tl.load(fp_lse_ptr + (bh * FP_SPLITS + split) * R + rows, mask=rmask,
+                                        other=float("-inf")))
     for split in range(SPLITS):
-        other = tl.load(part_lse_ptr + (bh * SPLITS + split) * R + rows, mask=rmask, other=float("-inf"))
-        high = tl.maximum(total, other)
-        safe = tl.where(high == float("-inf"), 0.0, high)
-        both = tl.exp(total - safe) + tl.exp(other - safe)
-        total = tl.where(both > 0, safe + tl.log(tl.where(both > 0, both, 1.0)), float("-inf"))
+        total = _log_add(total, tl.load(part_lse_ptr + (bh * SPLITS + split) * R + rows, mask=rmask,
+                                        other=float("-inf")))
     safe_total = tl.where(total == float("-inf"), 0.0, total)
-    weight = tl.exp(tl.load(fp_lse_ptr + bh * R + rows, mask=rmask, other=float("-inf")) - safe_total)
-    acc = tl.load(fp_out_ptr + (bh * R + rows)[:, None] * D + dims[None, :], mask=rmask[:, None],
-                  other=0.0) * weight[:, None]
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for split in range(FP_SPLITS):
+        acc += _weighted(fp_out_ptr, fp_lse_ptr, (bh * FP_SPLITS + split) * R + rows, rmask, dims, safe_total, D)
     for split in range(SPLITS):
-        part = (bh * SPLITS + split) * R + rows
-        weight = tl.exp(tl.load(part_lse_ptr + part, mask=rmask, other=float("-inf")) - safe_total)
-        acc += tl.load(part_out_ptr + part[:, None] * D + dims[None, :], mask=rmask[:, None], other=0.0) * \
-            weight[:, None]
+        acc += _weighted(part_out_ptr, part_lse_ptr, (bh * SPLITS + split) * R + rows, rmask, dims, safe_total, D)
     tl.store(out_ptr + (bh * R + rows)[:, None] * D + dims[None, :], acc, mask=rmask[:, None])
     tl.store(lse_ptr + bh * R + rows, total, mask=rmask)
     count = tl.load(count_ptr + b)
@@ -205,6 +208,22 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, fp_out_ptr, fp_lse_ptr, win_lse_pt
                         mask=rmask[:, None] & wmask[None, :], other=float("-inf"))
         mass = tl.sum(tl.exp(w_lse - safe_total[:, None]), axis=0)
         tl.store(mass_ptr + bh * cap + win, mass, mask=win < cap)
+
+
+@triton.jit
+def _log_add(total, other):
+    """log(exp(total) + exp(other)), -inf where both are."""
+    high = tl.maximum(total, other)
+    safe = tl.where(high == float("-inf"), 0.0, high)
+    both = tl.exp(total - safe) + tl.exp(other - safe)
+    return tl.where(both > 0, safe + tl.log(tl.where(both > 0, both, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _weighted(out_ptr, lse_ptr, part, rmask, dims, safe_total, D: tl.constexpr):
+    """One split's output (R, D) weighted by its share of the rows' attention, exp(lse_split - lse)."""
+    weight = tl.exp(tl.load(lse_ptr + part, mask=rmask, other=float("-inf")) - safe_total)
+    return tl.load(out_ptr + part[:, None] * D + dims[None, :], mask=rmask[:, None], other=0.0) * weight[:, None]
 
 
 def step_table(inv_freq: torch.Tensor, omega: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,18 +273,20 @@ def lowbit_attention(query: torch.Tensor, ledger: PackedWindows, count: torch.Te
     return parts_out, parts_lse, win_lse
 
 
-def merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ids: torch.Tensor, count: torch.Tensor):
-    """The low-bit splits and the full-precision part (fp_out (B, Hkv, R, D), fp_lse (B, Hkv, R)) merged by
-    log-sum-exp -> (out (B, Hkv, R, D), lse (B, Hkv, R), window mass (B, Hkv, cap): the step's attention on each
-    live window, summed over the group's rows), float32."""
+def merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ids: torch.Tensor, count: torch.Tensor,
+          out_dtype: torch.dtype = torch.float32):
+    """The low-bit splits and the full-precision ones (fp_out (B, Hkv, S', R, D), fp_lse (B, Hkv, S', R): one split
+    or several, as ``fp_attention.buffer_attention`` gives them) merged by log-sum-exp -> (out (B, Hkv, R, D) in
+    ``out_dtype`` (the model's: no conversion after), lse (B, Hkv, R), window mass (B, Hkv, cap): the step's attention
+    on each live window, summed over the group's rows), float32."""
     b, hkv, splits, r, d = parts_out.shape
     cap = win_lse.shape[2]
-    out = torch.empty(b, hkv, r, d, device=parts_out.device, dtype=torch.float32)
+    out = torch.empty(b, hkv, r, d, device=parts_out.device, dtype=out_dtype)
     lse = torch.empty(b, hkv, r, device=parts_out.device, dtype=torch.float32)
     mass = torch.empty(b, hkv, cap, device=parts_out.device, dtype=torch.float32)  # every slot written by the kernel
     _merge_kernel[(b * hkv,)](parts_out, parts_lse, fp_out.float().contiguous(), fp_lse.float().contiguous(),
-                              win_lse, ids, count, out, lse, mass, cap, SPLITS=splits, HKV=hkv, R=r,
-                              BLOCK_R=max(16, triton.next_power_of_2(r)), D=d, BLOCK_W=64)
+                              win_lse, ids, count, out, lse, mass, cap, SPLITS=splits, FP_SPLITS=fp_out.shape[2],
+                              HKV=hkv, R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), D=d, BLOCK_W=64)
     return out, lse, mass
 
 

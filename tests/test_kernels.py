@@ -96,7 +96,7 @@ def test_merge_with_the_full_precision_part_conserves_the_mass(case):
     args = (SINKS, inv_freq(d), 1.0, d ** -0.5)
     parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, *args, splits=2)
     fp_out, fp_lse = fp_attention_with_lse(rows, fp_k, fp_v, d ** -0.5, causal_tail=False)
-    out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
+    out, lse, mass = merge(parts_out, parts_lse, fp_out[:, :, None], fp_lse[:, :, None], win_lse, ledger.ids, count)
     keys, values = _reference_keys(live, d)
     all_k, all_v = torch.cat([keys, fp_k], dim=2), torch.cat([values, fp_v], dim=2)
     scores = rows @ all_k.transpose(2, 3) * d ** -0.5
@@ -120,7 +120,7 @@ def test_the_kernels_write_every_slot_of_their_outputs(monkeypatch):
     ledger, _, rows, count = setup((2, 2, 3, 1, 5, 23, 8, 64, 4, torch.float32), seed=5)  # 5 of 23 live
     count[1] = 0  # a row with an empty tier
     parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, SINKS, inv_freq(64), 1.0, 0.125, splits=3)
-    fp_out, fp_lse = torch.zeros(2, 2, 3, 64, device=DEVICE), torch.zeros(2, 2, 3, device=DEVICE)
+    fp_out, fp_lse = torch.zeros(2, 2, 1, 3, 64, device=DEVICE), torch.zeros(2, 2, 1, 3, device=DEVICE)  # 1 split
     out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
     assert torch.isinf(win_lse[0, :, 5:]).all() and torch.isinf(win_lse[1]).all() and win_lse[0, :, :5].isfinite().all()
     assert (mass[0, :, 5:] == 0).all() and (mass[1] == 0).all() and (mass[0, :, :5] > 0).all()
@@ -165,9 +165,9 @@ def test_an_empty_tier_contributes_nothing():
     ledger, _, rows, count = setup(case)
     parts_out, parts_lse, win_lse = lowbit_attention(rows, ledger, count, SINKS, inv_freq(64), 1.0, 0.125, splits=2)
     assert torch.isinf(parts_lse).all() and torch.isinf(win_lse).all()
-    fp_out, fp_lse = torch.ones(1, 2, 2, 64, device=DEVICE), torch.zeros(1, 2, 2, device=DEVICE)
+    fp_out, fp_lse = torch.ones(1, 2, 1, 2, 64, device=DEVICE), torch.zeros(1, 2, 1, 2, device=DEVICE)  # 1 split
     out, lse, mass = merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ledger.ids, count)
-    assert torch.equal(out, fp_out) and torch.equal(lse, fp_lse) and not mass.any()
+    assert torch.equal(out, fp_out[:, :, 0]) and torch.equal(lse, fp_lse[:, :, 0]) and not mass.any()
 
 
 def test_bfloat16_ledgers_and_queries():

@@ -1,13 +1,13 @@
-"""QEvict's decode step with the low-bit tier read in place by the fused Triton kernel (a CUDA GPU; a CPU only
+"""QEvict's decode step with the low-bit tier read in place by the fused Triton kernels (a CUDA GPU; a CPU only
 under TRITON_INTERPRET=1, for the tests).
 
 ``update`` returns only the full-precision keys [sinks | full | recent]. The low-bit tier goes through one split-K
-pass (``qevict_kernels.lowbit_attention``) that also writes each window's log-sum-exp; the full-precision keys
-through plain math over the layer's whole buffer (its unwritten slots masked; PyTorch's fused attention for a chunk
-of several tokens), which returns its log-sum-exp and masked logits; one small kernel merges the two by
-log-sum-exp and turns the window log-sum-exps into each window's routing mass, and one more
-(``qevict_kernels.score_fold``) adds the step's mass per window into the score table. Eq. 1 without materialising
-attention rows or reading the low-bit keys twice.
+pass (``qevict_kernels.lowbit_attention``) that also writes each window's log-sum-exp; the full-precision keys of
+a decode step through another over the layer's whole buffer (``qevict_kernels.fp_attention``: its unwritten slots
+hidden by the device count; it writes the masked logits), or for a chunk of several tokens through PyTorch's fused
+attention; one small kernel merges the two by log-sum-exp and turns the window log-sum-exps into each window's
+routing mass, and one more (``qevict_kernels.score_fold``) adds the step's mass per window into the score table.
+Eq. 1 without materialising attention rows or reading the low-bit keys twice: four launches per layer and step.
 """
 
 from __future__ import annotations
@@ -23,31 +23,32 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
     window (B, nQ) and on each full-precision key (B, n), summed over the KV heads; or None for both where the step
     folded its mass into the score table itself (``qevict_kernels.score_fold``: over the whole buffer, for a scorer
     whose fold adds)."""
+    from qevict_kernels.fp_attention import buffer_attention
     from qevict_kernels.lowbit_attention import lowbit_attention, merge
-    from qevict_kernels.merge import fp_attention_masked, fp_attention_with_lse
+    from qevict_kernels.merge import fp_attention_with_lse
 
     b, hq, lq, d = query.shape
     hkv = fp_keys.shape[1]
     rows = query.reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G
-    if fp_keys.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32 (the interpreter's tests)
-        fp_keys, fp_values = fp_keys.to(query.dtype), fp_values.to(query.dtype)
     logits = None  # the full-precision keys' masked logits, when the attention already computed them
-    if layer.reads_buffer:  # one shape at every fill: the few full-precision keys, the unwritten slots masked
-        fp_out, fp_lse, logits = fp_attention_masked(query, fp_keys, fp_values, scaling,
-                                                     layer.unwritten_slots()[None, None])  # (1, 1, n)
+    if layer.reads_buffer:  # one launch at every fill: the few full-precision keys, the unwritten slots hidden
+        fp_out, fp_lse, logits = buffer_attention(rows, fp_keys, fp_values, layer.fp.count, scaling)
     else:
+        if fp_keys.dtype != query.dtype:  # a 16-bit cache beside a model computing in float32 (the interpreter's)
+            fp_keys, fp_values = fp_keys.to(query.dtype), fp_values.to(query.dtype)
         fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
-    fp_out, fp_lse = fp_out.reshape(rows.shape), fp_lse.reshape(rows.shape[:3])  # (B, Hq, L, ·) as rows
+        fp_out, fp_lse = fp_out.reshape(rows.shape)[:, :, None], fp_lse.reshape(rows.shape[:3])[:, :, None]  # 1 split
     quant, owner = layer.quant, layer.owner
     count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
     if quant.num_windows:
         rope = owner.rope
         parts = lowbit_attention(rows, quant, count, owner.config.sinks, rope.inv_freq, rope.attention_scaling,
                                  scaling, splits=owner.lowbit_splits, step=owner.rope_step_table)
-        out, lse, window_mass = merge(parts[0], parts[1], fp_out, fp_lse, parts[2], quant.ids, count)
-    else:
-        out, lse, window_mass = fp_out, fp_lse, fp_out.new_zeros(b, hkv, 0)
-    out = out.reshape(b, hq, lq, d).transpose(1, 2).to(query.dtype)  # (B, L, Hq, D), as transformers expects
+    else:  # no low-bit split: the merge joins the full-precision ones alone
+        parts = (fp_out.new_empty(b, hkv, 0, *rows.shape[2:]), fp_lse.new_empty(b, hkv, 0, rows.shape[2]),
+                 fp_lse.new_empty(b, hkv, 0, rows.shape[2]))
+    out, lse, window_mass = merge(parts[0], parts[1], fp_out, fp_lse, parts[2], quant.ids, count, query.dtype)
+    out = out.reshape(b, hq, lq, d).transpose(1, 2)  # (B, L, Hq, D), as transformers expects
     if not scored:
         return out, None, None
     if logits is not None and owner.scorer.folds_by_adding:  # the whole fold in one launch, into the table
