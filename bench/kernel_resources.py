@@ -32,6 +32,9 @@ MERGE_SIGNATURE = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fp_out_ptr
                    "lse_ptr": "*fp32", "mass_ptr": "*fp32", "cap": "i32"}
 FP_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*{pair}", "v_ptr": "*{pair}", "count_ptr": "*i64", "out_ptr": "*fp32",
                 "lse_ptr": "*fp32", "logits_ptr": "*fp32", "n": "i32", "keys_per_split": "i32", "scale": "fp32"}
+QUANT_SIGNATURE = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
+                   "k_scale_ptr": "*i16", "k_zero_ptr": "*i16", "v_scale_ptr": "*i16", "v_zero_ptr": "*i16",
+                   "unfit_ptr": "*i8", "m": "i32", "H": "i32"}
 FOLD_SIGNATURE = {"table_ptr": "*fp32", "win_mass_ptr": "*fp32", "count_ptr": "*i32", "quant_ids_ptr": "*i32",
                   "logits_ptr": "*fp32", "lse_ptr": "*fp32", "full_ids_ptr": "*i32", "origin_ptr": "*i64", "cap": "i32",
                   "n": "i32", "n_full": "i32", "sinks": "i32", "full_tokens": "i32", "num_windows": "i32",
@@ -55,6 +58,9 @@ def configurations() -> list[dict]:
     for (d, rows, hkv), cache in product(SHAPES, ("bf16", "fp16")):
         out.append({"kernel": "fp", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": cache,
                     "constants": dict(SPLITS=8, R=rows, BLOCK_R=16, D=d, BLOCK_N=block_keys(d), EXACT=False)})
+    for (d, rows, hkv), bits, pair in product(SHAPES, (2, 4), ("fp16", "bf16")):
+        out.append({"kernel": "quant", "D": d, "R": rows, "HKV": hkv, "BITS": bits, "pair": pair,
+                    "constants": dict(OMEGA=8, BLOCK_T=8, D=d, BITS=bits, PARAM={"fp16": 1, "bf16": 2}[pair])})
     for d, rows, hkv in SHAPES:
         out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
                     "constants": dict(SPLITS=8, FP_SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
@@ -81,9 +87,11 @@ def _compile(config: dict, num_warps: int, target: str | None) -> dict:
     from qevict_kernels.fp_attention import _fp_kernel
     from qevict_kernels.lowbit_attention import _merge_kernel, _split_kernel
     from qevict_kernels.score_fold import _fold_kernel
+    from qevict_kernels.window_quant import _quant_kernel
 
     fn, signature = {"split": (_split_kernel, SPLIT_SIGNATURE), "merge": (_merge_kernel, MERGE_SIGNATURE),
-                     "fold": (_fold_kernel, FOLD_SIGNATURE), "fp": (_fp_kernel, FP_SIGNATURE)}[config["kernel"]]
+                     "fold": (_fold_kernel, FOLD_SIGNATURE), "fp": (_fp_kernel, FP_SIGNATURE),
+                     "quant": (_quant_kernel, QUANT_SIGNATURE)}[config["kernel"]]
     signature = {k: v.format(pair=config["pair"]) for k, v in signature.items()}
     constants = config["constants"]
     signature.update({name: "constexpr" for name in constants})

@@ -48,10 +48,9 @@ def fp_attention_masked(query: torch.Tensor, keys: torch.Tensor, values: torch.T
                         hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query (B, Hq, L, D) over full-precision keys (B, Hkv, N, D) in any order, ``hidden`` (B or 1, L, N) saying
     which keys each query position does not see -> (out (B, Hq, L, D), lse (B, Hq, L), scores (B, Hkv, G*L, N), the
-    masked logits, row r at position r % L) in float32. Plain math, for the few full-precision keys of a step that
-    reads a whole buffer (its unwritten tail visible to no query), so that every step has the same shapes; a query
-    that sees no key gets lse = -inf and a zero output. The scores are returned so a caller that needs each key's
-    mass under another normaliser (the merged one) computes them once."""
+    masked logits, row r at position r % L) in float32. Plain math: the reference of ``fp_attention.buffer_attention``
+    (a whole buffer, its unwritten tail visible to no query); a query that sees no key gets lse = -inf and a zero
+    output."""
     b, hq, lq, d = query.shape
     hkv = keys.shape[1]
     rows = query.reshape(b, hkv, hq // hkv * lq, d).float()  # (B, Hkv, G*L, D): row r is position r % L

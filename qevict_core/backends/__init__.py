@@ -42,6 +42,15 @@ class Backend:
         only a backend with ``steps_heads_in_one_pass``."""
         raise NotImplementedError(f"the {self.name} backend steps a per-head layer head by head")
 
+    def quantize_windows(self, keys, values, ids, omega: int, bits: int, param_dtype, check: bool):
+        """Windows entering the low-bit tier: keys (pre-RoPE), values (B, H, m·Ω, D), ids (B, m) -> (their
+        ``WindowLedger``, unfit (B, m) bool on the device: a window whose pairs ``param_dtype`` cannot hold; None
+        with ``check``, which raises instead)."""
+        from ..engine.ledger import WindowLedger
+
+        ledger = WindowLedger.quantize(keys, values, ids, omega, bits, param_dtype, check=check)
+        return ledger, None if check else ledger.unfit()
+
 
 class TorchBackend(Backend):
     steps_at_fixed_shape = True
@@ -82,6 +91,18 @@ class TritonBackend(Backend):
         if quant is not None:  # the fused kernel gives the low-bit tier's mass per window: fold it as such
             layer.fold_windows(quant, fp_keys, query.shape[1])
         return out, None
+
+    def quantize_windows(self, keys, values, ids, omega, bits, param_dtype, check):
+        """In one launch (``qevict_kernels.window_quant``), bit for bit what PyTorch's quantization gives."""
+        from ..engine.ledger import WindowLedger
+        from ..engine.quant import UNFIT
+        from qevict_kernels.window_quant import quantize_windows
+
+        *fields, unfit = quantize_windows(keys, values, omega, bits, param_dtype)
+        ledger = WindowLedger(ids.to(torch.int32), *fields, omega=omega, bits=bits)
+        if check and bool(unfit.any()):
+            raise ValueError(f"values up to {float(keys.abs().max()):.3g} {UNFIT.format(dtype=param_dtype)}")
+        return ledger, None if check else unfit
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:
