@@ -17,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 "$py" -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$out/env.log"
 # 2. correctness on CUDA (the compiled kernels, fast trigonometry included) and what the GPU's Triton builds
-step tests "${TESTS_S:-60}" "$py" -m pytest -q tests/test_kernels.py tests/test_graphs.py -p no:cacheprovider
+step tests "${TESTS_S:-60}" "$py" -m pytest -q tests/test_kernels.py tests/test_fp_kernel.py tests/test_window_quant.py \
+  tests/test_graphs.py -p no:cacheprovider
 step resources "${RESOURCES_S:-40}" "$py" -m bench.kernels resources --device cuda --out "$out/resources"
 # 3. one layer's attention, graph-replayed: fused kernel, the old kernel, dequantise + SDPA, SDPA over bf16 tokens
 step kernels "${KERNELS_S:-60}" "$py" -m bench.kernels attention --device cuda --keys 8192,32768 --batch 1,8 \
