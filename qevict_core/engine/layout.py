@@ -16,12 +16,13 @@ def window_token_index(window_idx: torch.Tensor, omega: int) -> torch.Tensor:
     return (window_idx.unsqueeze(-1) * omega + offsets).flatten(-2)
 
 
-def gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X)."""
+def gather_seq(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X), into ``out`` when
+    given."""
     b, h, _, width = x.shape
     if b == 1:  # one row: index_select copies whole rows (4x faster than an elementwise gather on the CPU)
-        return x.index_select(2, index[0].long())
-    return x.gather(2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width))
+        return torch.index_select(x, 2, index[0].long(), out=out)
+    return torch.gather(x, 2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width), out=out)
 
 
 @dataclass(frozen=True)

@@ -115,13 +115,28 @@ class WindowLedger:
                           self.k_zero.unsqueeze(3), dtype).reshape(b, h, t, d)
         return keys, dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero, dtype)
 
-    def select(self, window_idx: torch.Tensor) -> WindowLedger:
-        """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows."""
-        picked = {"ids": self.ids.gather(1, window_idx.long())}
+    def select(self, window_idx: torch.Tensor, into: WindowLedger | None = None) -> WindowLedger:
+        """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows, written into ``into``'s
+        storage when it holds m windows and shares none with this ledger (a routing event that keeps a tier's size:
+        one copy, its addresses kept), else into new storage."""
+        if into is not None and not self._can_write(into, window_idx.shape[1]):
+            return into.overwrite(self.select(window_idx))
+        picked = {"ids": torch.gather(self.ids, 1, window_idx.long(), out=None if into is None else into.ids)}
         for name in _SEQ_FIELDS:
-            rows = gather_seq(self._by_window(name), window_idx)  # (B, H, m, Ω·X): one row per window
+            rows = gather_seq(self._by_window(name), window_idx,
+                              out=None if into is None else into._by_window(name))  # (B, H, m, Ω·X): a row a window
             picked[name] = rows.reshape(*rows.shape[:2], -1, getattr(self, name).shape[3])
-        return WindowLedger(**picked, omega=self.omega, bits=self.bits)
+        return into if into is not None else WindowLedger(**picked, omega=self.omega, bits=self.bits)
+
+    def _can_write(self, into: WindowLedger, num_windows: int) -> bool:
+        """Whether a selection of ``num_windows`` can be written straight into ``into``: as many windows, the same
+        dtypes, contiguous storage of its own (a view into other tiers' storage is replaced, never written), none
+        shared with this ledger (it would read what it overwrites)."""
+        mine = {getattr(self, name).untyped_storage().data_ptr() for name in TENSORS}
+        return (into.num_windows == num_windows and into.omega == self.omega and into.bits == self.bits
+                and all(getattr(into, name).dtype == getattr(self, name).dtype for name in TENSORS)
+                and all(getattr(into, name).is_contiguous() for name in TENSORS)
+                and not any(getattr(into, name).untyped_storage().data_ptr() in mine for name in TENSORS))
 
     def overwrite(self, other: WindowLedger) -> WindowLedger:
         """``other``'s windows in this ledger's storage when it holds as many, else ``other`` itself: a routing

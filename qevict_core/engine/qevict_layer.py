@@ -114,13 +114,18 @@ class QEvictLayer(ReportingLayer):
         self._recent_moved(num_aged * self.grid.omega, full_before)
 
     def keep_records(self, quant: WindowLedger, dormant: WindowLedger | None, dormant_valid: torch.Tensor) -> None:
-        """The low-bit tier and the dormant ledger after a move: written into the storage they had when they keep
-        their sizes (every event once the tiers are full), so their addresses hold too; replaced otherwise."""
-        if not self.rewrites_in_place:
-            self.quant, self.dormant, self.dormant_valid = quant, dormant, dormant_valid
-            return
-        self.quant = self.quant.overwrite(quant)
-        self.dormant = dormant if self.dormant is None or dormant is None else self.dormant.overwrite(dormant)
+        """The low-bit tier and the dormant ledger as given: a per-head layer's, views into storage its heads share
+        (head_move.py). A row move selects them into the layer's own storage instead (``keep_selected``)."""
+        self.quant, self.dormant, self.dormant_valid = quant, dormant, dormant_valid
+
+    def keep_selected(self, records: WindowLedger, quant_idx: torch.Tensor, dormant_idx: torch.Tensor | None,
+                      dormant_valid: torch.Tensor) -> None:
+        """A row move's low-bit tier and dormant ledger, picked by slot from ``records`` (one ledger joining every
+        candidate record): written straight into the storage they had when they keep their sizes (every event once
+        the tiers are full), one copy each."""
+        self.quant = records.select(quant_idx, into=self.quant)
+        if self.dormant is not None:
+            self.dormant = records.select(dormant_idx, into=self.dormant)
         self.dormant_valid = _overwrite(self.dormant_valid, dormant_valid)
 
     def keep_tables(self, scores: torch.Tensor, interval: torch.Tensor | None) -> None:

@@ -6,7 +6,7 @@ dequantized window (or, where the step read the low-bit tier in place, dequantiz
 demotion reuses the window's dormant ledger record when it has one and quantizes it (once, ever) when it does not.
 The records the new quantized tier needs and has not got are quantized first and joined with
 ``[quantized | dormant]`` in one copy, from which the quantized tier and the dormant ledger each take their windows
-with one selection. The layer keeps the result (``keep_records``, ``keep_moved``), in its own storage. A per-head
+with one selection, written into the layer's own storage (``keep_selected``, ``keep_moved``). A per-head
 cache's move of every head at once is head_move.py.
 """
 
@@ -77,9 +77,15 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
         fresh_idx = n_records + torch.arange(m, device=keys.device).expand_as(slots)
         quant_idx = quant_idx.scatter(1, slots, torch.where(needed, fresh_idx, chosen))
     joined = records[0].cat(*records[1:]) if len(records) > 1 else records[0]
-    dormant = _select_records(joined, decision.full, full_k) if layer.dormant is not None else None
-    layer.keep_records(_select_records(joined, quant_idx, keys), dormant, has_record.gather(1, decision.full)
-                      if dormant is not None else layer.dormant_valid)
+    if joined.num_windows == 0:  # nothing quantized yet: every kept record is a placeholder, flagged invalid
+        b, h, _, d = keys.shape
+        joined = WindowLedger.empty(b, h, d, omega, owner.config.bits, joined.k_scale.dtype, keys.device, 1)
+    last = joined.num_windows - 1  # candidates without a record read the last one (flagged invalid)
+    if layer.dormant is not None:
+        layer.keep_selected(joined, quant_idx.clamp(max=last), decision.full.clamp(max=last),
+                            has_record.gather(1, decision.full))
+    else:
+        layer.keep_selected(joined, quant_idx.clamp(max=last), None, layer.dormant_valid)
     layer.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
     owner.count_moves(decision, n_quant, n_full)
     if old is not None:
@@ -107,12 +113,3 @@ def _promoted_first(layer, keys: torch.Tensor, values: torch.Tensor, decision, n
 def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
     """(B, m) candidate indices -> (B, m*Ω) token indices into the attended keys."""
     return (starts[cand_idx].unsqueeze(-1) + torch.arange(omega, device=starts.device)).flatten(-2)
-
-
-def _select_records(records: WindowLedger, cand_idx: torch.Tensor, like: torch.Tensor) -> WindowLedger:
-    """Ledger records of the chosen candidates; candidates without a record get zeros (flagged invalid)."""
-    if records.num_windows == 0:
-        b, h, _, d = like.shape
-        return WindowLedger.empty(b, h, d, records.omega, records.bits, records.k_scale.dtype, like.device,
-                                  num_windows=cand_idx.shape[1])
-    return records.select(cand_idx.clamp(max=records.num_windows - 1))
