@@ -24,18 +24,18 @@ from .common import RESULTS, run_metadata
 
 SPLIT_SIGNATURE = {"q_ptr": "*bf16", "k_codes_ptr": "*u8", "k_scale_ptr": "*{pair}", "k_zero_ptr": "*{pair}",
                    "v_codes_ptr": "*u8", "v_scale_ptr": "*{pair}", "v_zero_ptr": "*{pair}", "ids_ptr": "*i32",
-                   "count_ptr": "*i32", "inv_freq_ptr": "*fp32", "step_cos_ptr": "*fp32", "step_sin_ptr": "*fp32",
+                   "count_ptr": "constexpr", "inv_freq_ptr": "*fp32", "step_cos_ptr": "*fp32", "step_sin_ptr": "*fp32",
                    "out_ptr": "*fp32", "lse_ptr": "*fp32", "win_lse_ptr": "*fp32", "rope_scale": "fp32",
                    "qk_scale": "fp32", "cap": "i32", "windows_per_split": "i32"}
 MERGE_SIGNATURE = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fp_out_ptr": "*fp32", "fp_lse_ptr": "*fp32",
-                   "win_lse_ptr": "*fp32", "ids_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*fp32",
+                   "win_lse_ptr": "*fp32", "ids_ptr": "*i32", "count_ptr": "constexpr", "out_ptr": "*fp32",
                    "lse_ptr": "*fp32", "mass_ptr": "*fp32", "cap": "i32"}
 FP_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*{pair}", "v_ptr": "*{pair}", "count_ptr": "*i64", "out_ptr": "*fp32",
                 "lse_ptr": "*fp32", "logits_ptr": "*fp32", "n": "i32", "keys_per_split": "i32", "scale": "fp32"}
 QUANT_SIGNATURE = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
                    "k_scale_ptr": "*i16", "k_zero_ptr": "*i16", "v_scale_ptr": "*i16", "v_zero_ptr": "*i16",
                    "unfit_ptr": "*i8", "m": "i32", "H": "i32"}
-FOLD_SIGNATURE = {"table_ptr": "*fp32", "win_mass_ptr": "*fp32", "count_ptr": "*i32", "quant_ids_ptr": "*i32",
+FOLD_SIGNATURE = {"table_ptr": "*fp32", "win_mass_ptr": "*fp32", "count_ptr": "constexpr", "quant_ids_ptr": "*i32",
                   "logits_ptr": "*fp32", "lse_ptr": "*fp32", "full_ids_ptr": "*i32", "origin_ptr": "*i64", "cap": "i32",
                   "n": "i32", "n_full": "i32", "sinks": "i32", "full_tokens": "i32", "num_windows": "i32",
                   "inv_heads": "fp32"}
@@ -46,15 +46,15 @@ SHAPES = [(64, 3, 3), (128, 4, 8)]
 def configurations() -> list[dict]:
     """Every (kernel, constants) the engine launches on a GPU for the shapes above, INT2 and INT4, half-precision
     pairs in float16 (the default) and bfloat16 ("model" on a bf16 model); the full-precision part over a cache in
-    either 16-bit dtype (its "pair" column)."""
+    either 16-bit dtype (its "pair" column); no window count (the engine's tiers are always full)."""
     from qevict_kernels.fp_attention import block_keys
     from qevict_kernels.lowbit_attention import tile_windows
 
     out = []
     for (d, rows, hkv), bits, pair in product(SHAPES, (2, 4), ("fp16", "bf16")):
         out.append({"kernel": "split", "D": d, "R": rows, "HKV": hkv, "BITS": bits, "pair": pair,
-                    "constants": dict(SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, SINKS=5, OMEGA=8, BITS=bits, D=d,
-                                      WB=tile_windows(d, 8), FAST_TRIG=True)})
+                    "constants": dict(count_ptr=None, SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, SINKS=5, OMEGA=8,
+                                      BITS=bits, D=d, WB=tile_windows(d, 8), FAST_TRIG=True)})
     for (d, rows, hkv), cache in product(SHAPES, ("bf16", "fp16")):
         out.append({"kernel": "fp", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": cache,
                     "constants": dict(SPLITS=8, R=rows, BLOCK_R=16, D=d, BLOCK_N=block_keys(d), EXACT=False)})
@@ -63,9 +63,11 @@ def configurations() -> list[dict]:
                     "constants": dict(OMEGA=8, BLOCK_T=8, D=d, BITS=bits, PARAM={"fp16": 1, "bf16": 2}[pair])})
     for d, rows, hkv in SHAPES:
         out.append({"kernel": "merge", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
-                    "constants": dict(SPLITS=8, FP_SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d, BLOCK_W=64)})
+                    "constants": dict(count_ptr=None, SPLITS=8, FP_SPLITS=8, HKV=hkv, R=rows, BLOCK_R=16, D=d,
+                                      BLOCK_W=64)})
         out.append({"kernel": "fold", "D": d, "R": rows, "HKV": hkv, "BITS": None, "pair": None,
-                    "constants": dict(HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64, BLOCK_K=8)})
+                    "constants": dict(count_ptr=None, HKV=hkv, R=rows, BLOCK_R=16, OMEGA=8, BLOCK_W=64,
+                                      BLOCK_K=8)})
     return out
 
 

@@ -74,11 +74,12 @@ def default_splits(n: int, rows: int, heads: int, head_dim: int, device: torch.d
 
 
 def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, count: torch.Tensor,
-                     scale: float, splits: int | None = None):
+                     scale: float, splits: int | None = None, exact: bool | None = None):
     """rows (B, Hkv, R, D): the R = G·L query rows of each KV group; keys, values (B, Hkv, n, D) a whole buffer
     whose first ``count`` (a (1,) device tensor) slots are live. -> (parts_out (B, Hkv, S, R, D), parts_lse
     (B, Hkv, S, R), logits (B, Hkv, R, n): -inf at the hidden slots), float32: S splits of the keys, each normalised
-    over its own."""
+    over its own. ``exact``: products in float32 (default: where the interpreter runs) rather than in the cache's
+    16-bit dtype (compiled)."""
     b, hkv, r, d = rows.shape
     n = keys.shape[2]
     if d & (d - 1) or d < 16:
@@ -91,5 +92,5 @@ def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     _fp_kernel[(b * hkv, splits)](rows.contiguous(), keys.contiguous(), values.contiguous(), count, parts_out,
                                   parts_lse, logits, n, per_split, float(scale), SPLITS=splits, R=r,
                                   BLOCK_R=max(16, triton.next_power_of_2(r)), D=d, BLOCK_N=block_keys(d),
-                                  EXACT=rows.device.type != "cuda")
+                                  EXACT=rows.device.type != "cuda" if exact is None else exact)
     return parts_out, parts_lse, logits

@@ -62,7 +62,7 @@ def _split_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_sc
     v_byte = dims % ROW
     v_shift = (dims // ROW) * BITS
 
-    count = tl.load(count_ptr + b)
+    count = _live(count_ptr, b, cap)
     start = split * windows_per_split
     stop = tl.minimum(start + windows_per_split, count)
     codes_base = bh * cap * OMEGA * ROW
@@ -134,6 +134,17 @@ def _split_kernel(q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_sc
 
 
 @triton.jit
+def _live(count_ptr, b, cap):
+    """Row b's live windows: ``count[b]``, or with no count (the engine's tiers are always full) all ``cap``, so a
+    step need not fill a count first."""
+    if count_ptr is None:  # a constant: one branch compiled
+        live = cap
+    else:
+        live = tl.load(count_ptr + b)
+    return live
+
+
+@triton.jit
 def _store_split(out_ptr, lse_ptr, part, rmask, dims, acc, l, m, D: tl.constexpr):
     """A split's normalised output and natural log-sum-exp from its online softmax in base 2 (-inf for a split that
     saw no key) at rows ``part``: out (B, Hkv, S, R, D), lse (B, Hkv, S, R)."""
@@ -200,7 +211,7 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, fp_out_ptr, fp_lse_ptr, win_lse_pt
         acc += _weighted(part_out_ptr, part_lse_ptr, (bh * SPLITS + split) * R + rows, rmask, dims, safe_total, D)
     tl.store(out_ptr + (bh * R + rows)[:, None] * D + dims[None, :], acc, mask=rmask[:, None])
     tl.store(lse_ptr + bh * R + rows, total, mask=rmask)
-    count = tl.load(count_ptr + b)
+    count = _live(count_ptr, b, cap)
     for first in range(0, cap, BLOCK_W):  # every slot written (0 past the live count): no fill before the launch
         win = first + tl.arange(0, BLOCK_W)
         wmask = win < count
@@ -245,11 +256,11 @@ def default_splits(capacity: int, rows: int, heads: int, block_windows: int, dev
     return max(1, min(wanted, math.ceil(capacity / (2 * block_windows))))
 
 
-def lowbit_attention(query: torch.Tensor, ledger: PackedWindows, count: torch.Tensor, sinks: int,
+def lowbit_attention(query: torch.Tensor, ledger: PackedWindows, count: torch.Tensor | None, sinks: int,
                      inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, splits: int | None = None,
                      block_windows: int | None = None, step: tuple[torch.Tensor, torch.Tensor] | None = None):
     """query (B, Hkv, R, D): the R = G·L rows of each KV group, post-RoPE; ``ledger`` with room for ``cap``
-    windows per row, the first ``count[b]`` of row b live (count (B,) int32 on the device).
+    windows per row, the first ``count[b]`` of row b live (count (B,) int32 on the device; None: all ``cap``).
     -> (parts_out (B, Hkv, S, R, D), parts_lse (B, Hkv, S, R), win_lse (B, Hkv, cap, R)), float32: S splits of the
     windows, each normalised over its keys; ``merge`` joins them with the full-precision part."""
     b, hkv, r, d = query.shape
@@ -273,10 +284,11 @@ def lowbit_attention(query: torch.Tensor, ledger: PackedWindows, count: torch.Te
     return parts_out, parts_lse, win_lse
 
 
-def merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ids: torch.Tensor, count: torch.Tensor,
+def merge(parts_out, parts_lse, fp_out, fp_lse, win_lse, ids: torch.Tensor, count: torch.Tensor | None,
           out_dtype: torch.dtype = torch.float32):
-    """The low-bit splits and the full-precision ones (fp_out (B, Hkv, S', R, D), fp_lse (B, Hkv, S', R): one split
-    or several, as ``fp_attention.buffer_attention`` gives them) merged by log-sum-exp -> (out (B, Hkv, R, D) in
+    """The low-bit splits (``count`` as ``lowbit_attention``'s) and the full-precision ones (fp_out (B, Hkv, S', R,
+    D), fp_lse (B, Hkv, S', R): one split or several, as ``fp_attention.buffer_attention`` gives them) merged by
+    log-sum-exp -> (out (B, Hkv, R, D) in
     ``out_dtype`` (the model's: no conversion after), lse (B, Hkv, R), window mass (B, Hkv, cap): the step's attention
     on each live window, summed over the group's rows), float32."""
     b, hkv, splits, r, d = parts_out.shape

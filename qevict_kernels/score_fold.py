@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .lowbit_attention import _live
+
 
 @triton.jit
 def _fold_kernel(table_ptr, win_mass_ptr, count_ptr, quant_ids_ptr, logits_ptr, lse_ptr, full_ids_ptr, origin_ptr,
@@ -25,7 +27,7 @@ def _fold_kernel(table_ptr, win_mass_ptr, count_ptr, quant_ids_ptr, logits_ptr, 
                  BLOCK_R: tl.constexpr, OMEGA: tl.constexpr, BLOCK_W: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     b = tl.program_id(0)
-    count = tl.load(count_ptr + b)
+    count = _live(count_ptr, b, cap)
     for first in range(0, cap, BLOCK_W):  # the low-bit windows: their mass summed over the KV heads
         win = first + tl.arange(0, BLOCK_W)
         live = win < count
@@ -61,11 +63,12 @@ def _fold_kernel(table_ptr, win_mass_ptr, count_ptr, quant_ids_ptr, logits_ptr, 
         tl.store(table_ptr + b * num_windows + wid, old + mass * inv_heads, mask=keep)
 
 
-def fold_step_mass(table: torch.Tensor, win_mass: torch.Tensor, count: torch.Tensor, quant_ids: torch.Tensor,
+def fold_step_mass(table: torch.Tensor, win_mass: torch.Tensor, count: torch.Tensor | None, quant_ids: torch.Tensor,
                    logits: torch.Tensor, lse: torch.Tensor, full_ids: torch.Tensor, origin: torch.Tensor, sinks: int,
                    full_tokens: int, omega: int, q_heads: int) -> None:
     """table (B, W) float32 += this step's mass per window / ``q_heads``, in place. win_mass (B, Hkv, cap): each
-    low-bit window's mass summed over its group's rows, the first ``count[b]`` live, ids ``quant_ids`` (B, cap);
+    low-bit window's mass summed over its group's rows, the first ``count[b]`` live (None: all), ids ``quant_ids``
+    (B, cap);
     logits (B, Hkv, R, n): the step's masked logits of the full-precision keys, lse (B, Hkv, R) the merged
     log-sum-exp; full_ids (B, nF) int32; origin (1,) int64: the recent region's device origin; ``full_tokens`` =
     nF·Ω."""

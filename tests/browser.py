@@ -63,6 +63,22 @@ def open_page(browser, url: str, viewport=DESKTOP, context=None):
     return page
 
 
+def reload(page, timeout_s: float = 60) -> None:
+    """Reload the tab. A tab whose page is being replaced (Gradio's client reconnecting after a server restart)
+    is detached for a moment, and a reload then fails at once: retried until the page is attached again."""
+    from playwright.sync_api import Error
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            page.reload()
+            return
+        except Error as err:
+            if "Not attached" not in str(err) or time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def pick(page, elem_id: str, name: str) -> None:
     """Choose ``name`` in a dropdown by clicking its option (typing and pressing Enter races the option list)."""
     page.locator(f"#{elem_id} input").click()

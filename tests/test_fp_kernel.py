@@ -59,6 +59,23 @@ def test_the_buffer_kernel_matches_plain_math_over_the_live_slots(case):
     within_low_precision_error(logits[..., :live], ref_logits[..., :live], low[2][..., :live])
 
 
+def test_the_compiled_branch_with_16_bit_products():
+    """The branch a GPU compiles (the cache's 16-bit operands), run where the interpreter's products are right
+    (float16): within twice the error of the same math with 16-bit operands."""
+    keys, values = buffer(2, 2, 300, 250, 64, torch.float16, seed=5)
+    query = randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(6))
+    count = torch.tensor([250], device=DEVICE)
+    parts_out, parts_lse, logits = buffer_attention(rows_of(query, 2), keys, values, count, 0.125, 3, exact=False)
+    out, lse = merged(parts_out, parts_lse)
+    hidden = (torch.arange(300, device=DEVICE) >= 250)[None, None]
+    ref_out, ref_lse, _ = fp_attention_masked(query, keys, values, 0.125, hidden)
+    low = low_precision(rows_of(query, 2), keys, values, 0.125, hidden[:, None])
+    assert (low[0] - ref_out.reshape(out.shape)).abs().max() > 0  # the 16-bit operands do round
+    within_low_precision_error(out, ref_out.reshape(out.shape), low[0])
+    within_low_precision_error(lse, ref_lse.reshape(lse.shape), low[1])
+    assert torch.isinf(logits[..., 250:]).all()
+
+
 def test_a_split_past_the_live_slots_contributes_nothing():
     keys, values = buffer(1, 2, 97, 10, 64, torch.float32, seed=1)
     query = randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(2))

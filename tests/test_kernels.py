@@ -170,6 +170,19 @@ def test_an_empty_tier_contributes_nothing():
     assert torch.equal(out, fp_out[:, :, 0]) and torch.equal(lse, fp_lse[:, :, 0]) and not mass.any()
 
 
+def test_no_count_reads_every_window_of_the_tier():
+    """The engine passes no count (its tiers hold exactly their windows): the same as a count of every window."""
+    ledger, _, rows, _ = setup((2, 2, 3, 1, 11, 11, 8, 64, 4, torch.float32), seed=9)
+    full = torch.full((2,), 11, dtype=torch.int32, device=DEVICE)
+    args = (SINKS, inv_freq(64), 1.0, 0.125)
+    with_count, without = (lowbit_attention(rows, ledger, count, *args, splits=3) for count in (full, None))
+    assert all(torch.equal(a, b) for a, b in zip(with_count, without))
+    fp_out, fp_lse = torch.zeros(2, 2, 1, 3, 64, device=DEVICE), torch.zeros(2, 2, 1, 3, device=DEVICE)
+    merged = [merge(*parts[:2], fp_out, fp_lse, parts[2], ledger.ids, count) for parts, count in
+              ((with_count, full), (without, None))]
+    assert all(torch.equal(a, b) for a, b in zip(*merged))
+
+
 def test_bfloat16_ledgers_and_queries():
     case = (1, 2, 3, 1, 9, 9, 8, 64, 2, torch.bfloat16)
     ledger, live, rows, count = setup(case)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.browser import StudioProcess, chromium, need_chromium, open_page, set_number
+from tests.browser import StudioProcess, chromium, need_chromium, open_page, reload, set_number
 
 pytestmark = pytest.mark.browser
 
@@ -48,7 +48,7 @@ def test_a_crash_leaves_the_run_interrupted_with_what_was_shown(tmp_path):
 
             base = server.start(same_port=True)  # same database, new process, where the tab left it
             assert store.get(session_id)["status"] == "interrupted"
-            page.reload()  # the open tab comes back: its prompt, and a line saying what happened
+            reload(page)  # the open tab comes back: its prompt, and a line saying what happened
             page.wait_for_function("document.querySelector('#status')?.innerText.includes('server restarted')",
                                    timeout=60_000)
             assert page.locator("#prompt textarea").input_value() == "Remember the lantern. " * 40

@@ -42,14 +42,11 @@ class Backend:
         only a backend with ``steps_heads_in_one_pass``."""
         raise NotImplementedError(f"the {self.name} backend steps a per-head layer head by head")
 
-    def quantize_windows(self, keys, values, ids, omega: int, bits: int, param_dtype, check: bool):
-        """Windows entering the low-bit tier: keys (pre-RoPE), values (B, H, m·Ω, D), ids (B, m) -> (their
-        ``WindowLedger``, unfit (B, m) bool on the device: a window whose pairs ``param_dtype`` cannot hold; None
-        with ``check``, which raises instead)."""
-        from ..engine.ledger import WindowLedger
-
-        ledger = WindowLedger.quantize(keys, values, ids, omega, bits, param_dtype, check=check)
-        return ledger, None if check else ledger.unfit()
+    def quantize_windows(self, keys, values, omega: int, bits: int, param_dtype):
+        """Windows entering the low-bit tier, keys (pre-RoPE), values (B, H, m·Ω, D) -> (k_codes, v_codes, k_scale,
+        k_zero, v_scale, v_zero, unfit (B, m) bool: pairs ``param_dtype`` cannot hold), the ledger's fields; or None:
+        the engine's PyTorch quantization."""
+        return None
 
 
 class TorchBackend(Backend):
@@ -92,17 +89,11 @@ class TritonBackend(Backend):
             layer.fold_windows(quant, fp_keys, query.shape[1])
         return out, None
 
-    def quantize_windows(self, keys, values, ids, omega, bits, param_dtype, check):
+    def quantize_windows(self, keys, values, omega, bits, param_dtype):
         """In one launch (``qevict_kernels.window_quant``), bit for bit what PyTorch's quantization gives."""
-        from ..engine.ledger import WindowLedger
-        from ..engine.quant import UNFIT
         from qevict_kernels.window_quant import quantize_windows
 
-        *fields, unfit = quantize_windows(keys, values, omega, bits, param_dtype)
-        ledger = WindowLedger(ids.to(torch.int32), *fields, omega=omega, bits=bits)
-        if check and bool(unfit.any()):
-            raise ValueError(f"values up to {float(keys.abs().max()):.3g} {UNFIT.format(dtype=param_dtype)}")
-        return ledger, None if check else unfit
+        return quantize_windows(keys, values, omega, bits, param_dtype)
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype) -> Backend:

@@ -39,7 +39,7 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
         fp_out, fp_lse = fp_attention_with_lse(query, fp_keys, fp_values, scaling, causal_tail=lq > 1)
         fp_out, fp_lse = fp_out.reshape(rows.shape)[:, :, None], fp_lse.reshape(rows.shape[:3])[:, :, None]  # 1 split
     quant, owner = layer.quant, layer.owner
-    count = torch.full((b,), quant.num_windows, dtype=torch.int32, device=query.device)
+    count = None  # every window of the tier is live (its size is what it holds): no count to fill each step
     if quant.num_windows:
         rope = owner.rope
         parts = lowbit_attention(rows, quant, count, owner.config.sinks, rope.inv_freq, rope.attention_scaling,

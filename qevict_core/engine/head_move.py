@@ -82,9 +82,9 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
         fresh_ids = q_ids[need].unsqueeze(0)
         positions = grid.positions(fresh_ids)
         pre_rope = unrotate(ws_keys.index_select(2, tok), *owner.cos_sin(ws_keys, positions))
-        parts.append(owner.backend.quantize_windows(pre_rope, ws_values.index_select(2, tok), fresh_ids, omega,
-                                                    owner.config.bits, owner.config.param_dtype(owner.shape.dtype),
-                                                    check=True)[0])
+        parts.append(WindowLedger.quantize_on(owner.backend, pre_rope, ws_values.index_select(2, tok), fresh_ids,
+                                              omega, owner.config.bits, owner.config.param_dtype(owner.shape.dtype),
+                                              check=True)[0])
         q_rec = q_rec.masked_scatter(need, n_records + torch.arange(n_fresh))
     parts = [p for p in parts if p.num_windows]
     joined = parts[0].cat(*parts[1:]) if parts else None

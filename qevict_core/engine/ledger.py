@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import gather_seq
-from .quant import codes_per_byte, dequantize, dequantize_packed, pack, quantize, unfit, unpack
+from .quant import UNFIT, codes_per_byte, dequantize, dequantize_packed, pack, quantize, unfit, unpack
 
 # Tensors laid out along the sequence axis (dim 2): per window (key statistics) or per token (codes, value stats).
 _PER_WINDOW = ("k_scale", "k_zero")
@@ -89,6 +89,20 @@ class WindowLedger:
             omega=omega,
             bits=bits,
         )
+
+    @classmethod
+    def quantize_on(cls, backend, keys_prerope: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, omega: int,
+                    bits: int, param_dtype: torch.dtype, check: bool) -> tuple[WindowLedger, torch.Tensor | None]:
+        """:meth:`quantize` by ``backend``'s kernel where it has one -> (the ledger, unfit (B, n) on the device, or
+        None with ``check``, which raises instead)."""
+        fields = backend.quantize_windows(keys_prerope, values, omega, bits, param_dtype)
+        if fields is None:
+            ledger = cls.quantize(keys_prerope, values, ids, omega, bits, param_dtype, check=check)
+            return ledger, None if check else ledger.unfit()
+        *tensors, unfit = fields
+        if check and bool(unfit.any()):
+            raise ValueError(f"values up to {float(keys_prerope.abs().max()):.3g} {UNFIT.format(dtype=param_dtype)}")
+        return cls(ids.to(torch.int32), *tensors, omega=omega, bits=bits), None if check else unfit
 
     def unfit(self) -> torch.Tensor:
         """(B, n) bool on the device: windows with a scale or zero-point their dtype could not hold."""

@@ -38,8 +38,8 @@ class QEvictLayer(ReportingLayer):
     # A decode step reads the whole full-precision buffer, positions from device counters, where the backend asks
     # for steps of one shape (``Backend.steps_at_fixed_shape``); False where a layer's buffer follows its fill.
     steps_at_fixed_shape = True
-    # A move writes the new low-bit tier, dormant ledger and ids into the old ones' storage when their sizes hold
-    # (False where they are views of storage shared with other heads, head_move.py).
+    # A move writes the new full tier's ids into the old ones' storage when their size holds (False where they are
+    # views of storage shared with other heads, head_move.py).
     rewrites_in_place = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -114,18 +114,15 @@ class QEvictLayer(ReportingLayer):
         self._recent_moved(num_aged * self.grid.omega, full_before)
 
     def keep_records(self, quant: WindowLedger, dormant: WindowLedger | None, dormant_valid: torch.Tensor) -> None:
-        """The low-bit tier and the dormant ledger as given: a per-head layer's, views into storage its heads share
-        (head_move.py). A row move selects them into the layer's own storage instead (``keep_selected``)."""
+        """A per-head layer's low-bit tier and dormant ledger: views into storage its heads share (head_move.py)."""
         self.quant, self.dormant, self.dormant_valid = quant, dormant, dormant_valid
 
     def keep_selected(self, records: WindowLedger, quant_idx: torch.Tensor, dormant_idx: torch.Tensor | None,
                       dormant_valid: torch.Tensor) -> None:
-        """A row move's low-bit tier and dormant ledger, picked by slot from ``records`` (one ledger joining every
-        candidate record): written straight into the storage they had when they keep their sizes (every event once
-        the tiers are full), one copy each."""
+        """A row move's low-bit tier and dormant ledger, picked by slot from ``records``: straight into the storage
+        they had when they keep their sizes (every event once the tiers are full), one copy each."""
         self.quant = records.select(quant_idx, into=self.quant)
-        if self.dormant is not None:
-            self.dormant = records.select(dormant_idx, into=self.dormant)
+        self.dormant = None if self.dormant is None else records.select(dormant_idx, into=self.dormant)
         self.dormant_valid = _overwrite(self.dormant_valid, dormant_valid)
 
     def keep_tables(self, scores: torch.Tensor, interval: torch.Tensor | None) -> None:
@@ -176,8 +173,7 @@ class QEvictLayer(ReportingLayer):
 
     def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                         windows: WindowLedger | None = None):
-        """[dequantized, re-rotated ``windows`` (the whole quantized tier by default) | *keys]: a transient copy,
-        counted as workspace."""
+        """[dequantized, re-rotated ``windows`` (default: the whole quantized tier) | *keys]: a transient workspace."""
         windows = self.quant if windows is None else windows
         cos, sin = self.owner.rope_rows(self.sink_k, self.grid.positions(windows.ids))
         keys, values = assemble(windows, keys, values, cos, sin, dtype=self.owner.compute_dtype)
@@ -400,6 +396,4 @@ class QEvictLayer(ReportingLayer):
 
 def _overwrite(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new``'s values in ``old``'s storage when the shapes agree."""
-    if old.shape == new.shape and old.dtype == new.dtype:
-        return old.copy_(new)
-    return new
+    return old.copy_(new) if old.shape == new.shape and old.dtype == new.dtype else new

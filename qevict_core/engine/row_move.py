@@ -68,9 +68,9 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
         positions = grid.positions(cand_ids.gather(1, chosen))
         pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
         on_host = owner.backend.sizes_moves_on_host  # else the scales' check is read back later
-        fresh, unfit = owner.backend.quantize_windows(pre_rope, gather_seq(values, tok), cand_ids.gather(1, chosen),
-                                                      omega, owner.config.bits, owner.config.param_dtype(stored),
-                                                      check=on_host)
+        fresh, unfit = WindowLedger.quantize_on(owner.backend, pre_rope, gather_seq(values, tok),
+                                                cand_ids.gather(1, chosen), omega, owner.config.bits,
+                                                owner.config.param_dtype(stored), check=on_host)
         if not on_host:
             owner.note_unfit(unfit & needed)
         records.append(fresh)
