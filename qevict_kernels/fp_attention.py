@@ -40,8 +40,8 @@ def _fp_kernel(q_ptr, k_ptr, v_ptr, count_ptr, out_ptr, lse_ptr, logits_ptr, n, 
         tok = first + tl.arange(0, BLOCK_N)
         inside = tok < stop
         keys = tl.load(k_ptr + (bh * n + tok)[:, None] * D + dims[None, :], mask=inside[:, None], other=0.0)
-        if EXACT:  # the interpreter: its bfloat16 products are wrong, float32 ones exact
-            s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)))
+        if EXACT:  # float32 products: the interpreter (its bfloat16 ones are wrong), or a float32 cache (not TF32)
+            s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
         else:  # compiled: the cache's 16-bit operands on the tensor cores, float32 sums
             s = tl.dot(q.to(keys.dtype), tl.trans(keys))
         s = tl.where((inside & (tok < count))[None, :], s * scale, float("-inf"))  # natural log; the tail hidden
@@ -53,7 +53,7 @@ def _fp_kernel(q_ptr, k_ptr, v_ptr, count_ptr, out_ptr, lse_ptr, logits_ptr, n, 
         alpha = tl.exp2(m - m_safe)
         values = tl.load(v_ptr + (bh * n + tok)[:, None] * D + dims[None, :], mask=inside[:, None], other=0.0)
         if EXACT:
-            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
         l = l * alpha + tl.sum(p, axis=1)
@@ -78,13 +78,14 @@ def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """rows (B, Hkv, R, D): the R = G·L query rows of each KV group; keys, values (B, Hkv, n, D) a whole buffer
     whose first ``count`` (a (1,) device tensor) slots are live. -> (parts_out (B, Hkv, S, R, D), parts_lse
     (B, Hkv, S, R), logits (B, Hkv, R, n): -inf at the hidden slots), float32: S splits of the keys, each normalised
-    over its own. ``exact``: products in float32 (default: where the interpreter runs) rather than in the cache's
-    16-bit dtype (compiled)."""
+    over its own. ``exact``: products in float32 (default: where the interpreter runs, or the cache is in float32)
+    rather than in the cache's 16-bit dtype (compiled)."""
     b, hkv, r, d = rows.shape
     n = keys.shape[2]
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton path (got {d})")
     splits = splits or default_splits(n, b, hkv, d, rows.device)
+    exact = rows.device.type != "cuda" or keys.dtype == torch.float32 if exact is None else exact
     per_split = max(1, math.ceil(n / splits))
     parts_out = torch.empty(b, hkv, splits, r, d, device=rows.device, dtype=torch.float32)
     parts_lse = torch.empty(b, hkv, splits, r, device=rows.device, dtype=torch.float32)
@@ -92,5 +93,5 @@ def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     _fp_kernel[(b * hkv, splits)](rows.contiguous(), keys.contiguous(), values.contiguous(), count, parts_out,
                                   parts_lse, logits, n, per_split, float(scale), SPLITS=splits, R=r,
                                   BLOCK_R=max(16, triton.next_power_of_2(r)), D=d, BLOCK_N=block_keys(d),
-                                  EXACT=rows.device.type != "cuda" if exact is None else exact)
+                                  EXACT=exact)
     return parts_out, parts_lse, logits

@@ -190,7 +190,8 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, fp_out_ptr, fp_lse_ptr, win_lse_pt
                   lse_ptr, mass_ptr, cap, SPLITS: tl.constexpr, FP_SPLITS: tl.constexpr, HKV: tl.constexpr,
                   R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr):
     """One (batch row, KV head): the low-bit splits and the full-precision ones merged by log-sum-exp -> out (B, Hkv,
-    R, D) float32 and lse (B, Hkv, R); then each live window's mass, Σ_rows exp(lse_w - lse), -> mass (B, Hkv, cap)."""
+    R, D) in its tensor's dtype and lse (B, Hkv, R); then each live window's mass, Σ_rows exp(lse_w - lse), -> mass
+    (B, Hkv, cap)."""
     bh = tl.program_id(0)
     b = bh // HKV
     rows = tl.arange(0, BLOCK_R)
