@@ -181,3 +181,27 @@ def test_prefill_observation_window_scores_only_the_last_prompt_queries():
         per_key = probs[0, :, -16:].sum(dim=(0, 1)) / probs.shape[1]
         expected = per_key[4:].reshape(24, 8).sum(dim=1)
         torch.testing.assert_close(cache.layers[layer_idx].scores[0, :24], expected.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scorer, pool", [("cumulative", 0), ("pnorm", 1)])
+def test_one_decision_for_every_layer_equals_each_layers_own(scorer, pool):
+    """A forward's routing events, deferred to its end, are decided at once, the layers' candidates stacked as rows
+    (row_move.decide_rows): the same candidates and decisions as each layer ranking its own, on four layers whose
+    tables and tiers differ."""
+    from qevict_core.engine.row_move import decide_rows
+
+    model = tiny_model("llama", 2, num_hidden_layers=4)
+    config = QEvictConfig(budget=0.3, scorer=scorer, pool=pool, omega=8, coverage=None)  # Eq. 3: a full tier too
+    cache = make_cache("qevict", model, config, max_length=400)
+    with torch.inference_mode():
+        token = model(random_prompt(300), **{KV: cache}).logits[:, -1:].argmax(-1)
+        for _ in range(3 * 8 - 1):  # two events after the prompt's; stop just before the next
+            token = model(token, **{KV: cache}).logits[:, -1:].argmax(-1)
+        assert cache.routes_at(1) and all(layer.aged_windows().shape[1] for layer in cache.layers)
+        together = decide_rows(cache.layers)
+        alone = [decide_rows([layer])[0] for layer in cache.layers]
+    for (cand, decision), (own_cand, own) in zip(together, alone):
+        assert torch.equal(cand, own_cand)
+        assert torch.equal(decision.full, own.full) and torch.equal(decision.quant, own.quant)
+    kept = {(tuple(d.full[0].tolist()), tuple(cand[0, d.quant[0]].tolist())) for cand, d in together}
+    assert len(kept) > 1 and all(d.full.shape[1] and d.quant.shape[1] for _, d in together)  # tiers differ by layer

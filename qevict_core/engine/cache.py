@@ -14,6 +14,7 @@ from .cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
 from .qevict_layer import QEvictLayer
 from .rope import Rope
+from .row_move import decide_rows, settle
 from .scorers import make_scorer
 
 
@@ -60,6 +61,7 @@ class QEvictCache(ReportingCache):
         self._unfit: torch.Tensor | None = None
         self._unfit_unread = False
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._deferred: list = []  # (layer, keys, values) of this forward's routing event, moved at its end
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
         self.backend.prepare(self)
@@ -72,6 +74,7 @@ class QEvictCache(ReportingCache):
         return QEvictLayer(layer_idx, self)
 
     def begin_forward(self, num_tokens: int) -> None:
+        self.move_deferred()
         self.schedule.begin_forward(num_tokens, hold=self.staging)
         self._rope_table = None
 
@@ -122,8 +125,30 @@ class QEvictCache(ReportingCache):
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
             self.events.append(layer.routing_event(old, aged[0].tolist()))
 
+    def defer_move(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer's routing event, left for the end of the forward (its keys outlive the forward: they are its
+        buffer, not a workspace), when every layer's is decided at once (``row_move.decide_rows``). A layer's move
+        touches only its own tiers, which no other layer of the forward reads, so nothing changes but the count of
+        operators."""
+        self._deferred.append((layer, keys, values))
+
     def end_forward(self) -> None:
+        self.move_deferred()
         self._rope_table = None  # transient: nothing of it persists to the next step
+
+    def move_deferred(self) -> None:
+        """The deferred routing events: every layer's settled, decided at once, moved layer by layer. At the end
+        of a forward; also before anything reads the cache or the next forward starts, for a caller that drove
+        fewer layers than the model has (a test driving one layer)."""
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            layers = [layer for layer, _, _ in deferred]
+            for layer in layers:
+                settle(layer)
+            sizes = {(layer.quant.num_windows, layer.full_ids.shape[1], layer.recent_start) for layer in layers}
+            decided = decide_rows(layers) if len(sizes) == 1 else [decide_rows([layer])[0] for layer in layers]
+            for (layer, keys, values), one in zip(deferred, decided):
+                layer.move(keys, values, one)
 
     def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (seen, D), or (max_length, D) where steps keep one shape: rows of every position, built by the
@@ -172,11 +197,17 @@ class QEvictCache(ReportingCache):
             self._moves = torch.zeros_like(moves)
         self._moves.add_(moves)
 
+    def drain_events(self) -> list:
+        self.move_deferred()
+        return super().drain_events()
+
     def memory_report(self) -> dict:
+        self.move_deferred()
         self.check_fit()
         return super().memory_report()
 
     def summary(self) -> dict:
+        self.move_deferred()
         self.check_fit()
         promotions, demotions, evictions = self._moves.tolist() if self._moves is not None else (0, 0, 0)
         return {"promotions": promotions, "demotions": demotions, "evictions": evictions,

@@ -26,7 +26,7 @@ from .cache_base import ReportingLayer, tensor_key
 from ..events import RoutingEvent
 from .layout import WindowGrid
 from .fp_region import FullPrecision
-from .row_move import move_rows
+from .row_move import decide_rows, move_rows, settle
 from .ledger import TENSORS, WindowLedger
 from .key_mass import attend_with_mass, kv_head_mass
 from .prompt_stage import PromptStage
@@ -188,6 +188,8 @@ class QEvictLayer(ReportingLayer):
         out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
         if self.stage is not None:
             self.stage.absorb(self)
+        elif self.owner.routed() and self.owner.backend.reads_tier_in_place:  # keys that outlive the forward
+            self.owner.defer_move(self, key, value)  # decided with every layer's at the forward's end
         elif self.owner.routed():
             self.route(key, value)
         if self.layer_idx == len(self.owner.layers) - 1:
@@ -247,22 +249,15 @@ class QEvictLayer(ReportingLayer):
         return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count
 
     def route(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """A routing event on what ``update`` returned (called when ``owner.routed()``)."""
-        self.settle()
+        """A routing event on what ``update`` returned (called when ``owner.routed()``), this layer alone."""
+        settle(self)
         self.move(key, value)
 
-    def settle(self) -> None:
-        """Finish the score table for ranking: the scorer's interval, then the windows leaving the recent region."""
-        scorer = self.owner.scorer
-        scorer.settle(self.scores, self.interval)
-        if scorer.reads_aged_keys:
-            aged = self.candidates()[:, self.quant.num_windows + self.full_ids.shape[1]:]
-            if aged.shape[1]:
-                scorer.on_aged(self.scores, aged, self.recent_k[:, :, :aged.shape[1] * self.grid.omega])
-
-    def move(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Rank the settled candidates and move windows between tiers."""
-        move_rows(self, key, value, tier_in_keys=not self.owner.backend.reads_tier_in_place)
+    def move(self, key: torch.Tensor, value: torch.Tensor, decided: tuple | None = None) -> None:
+        """Move windows between tiers as decided (``decide_rows``: (candidates, decision)); by default by this
+        layer's own ranking of its settled candidates."""
+        cand_ids, decision = decided or decide_rows([self])[0]
+        move_rows(self, key, value, not self.owner.backend.reads_tier_in_place, cand_ids, decision)
         self.owner.note_bytes(self.layer_idx)
 
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
@@ -336,13 +331,17 @@ class QEvictLayer(ReportingLayer):
 
     def candidates(self) -> torch.Tensor:
         """(B, C) window ids that the next routing event will rank: [quantized | full | aging out of recent]."""
+        return torch.cat([self.quant.ids, self.full_ids, self.aged_windows()], dim=1)
+
+    def aged_windows(self) -> torch.Tensor:
+        """(B, a) int32 ids of the windows the next routing event takes out of the recent region."""
         num_aged, device = self.num_aged(), self.full_ids.device
         if self.recent_origin is not None:  # from the device, so a captured event replays
             aged = (self._first_recent() + torch.arange(num_aged, device=device)).to(torch.int32)
         else:
             first_recent = self.grid.window_of(self.recent_start)
             aged = torch.arange(first_recent, first_recent + num_aged, device=device, dtype=torch.int32)
-        return torch.cat([self.quant.ids, self.full_ids, aged.expand(self.full_ids.shape[0], -1)], dim=1)
+        return aged.expand(self.full_ids.shape[0], -1)
 
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
         return self.owner.scorer.rank(self.scores).gather(1, cand_ids.long())

@@ -1,4 +1,5 @@
-"""One routing move of a layer, for every batch row at once (Algorithm 1, lines 5-21): QEvict's per-layer routing.
+"""One routing move of a layer, for every batch row at once (Algorithm 1, lines 5-21): QEvict's per-layer routing;
+its decision (``decide_rows``) for one layer or for every layer of a forward at once.
 
 The decision (``routing.route_windows``) ranks the candidates - the quantized tier, the full tier and the windows
 aging out of the recent region - and moves are gathers from the step's attended keys: promotion copies the already
@@ -17,24 +18,54 @@ import torch
 from .layout import gather_seq
 from .ledger import WindowLedger
 from .rope import unrotate
-from .routing import route_windows
+from .routing import RoutingDecision, route_windows
 
 
-def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool) -> None:
+def settle(layer) -> None:
+    """Finish a layer's score table for ranking: the scorer's interval, then the windows leaving the recent region."""
+    scorer = layer.owner.scorer
+    scorer.settle(layer.scores, layer.interval)
+    if scorer.reads_aged_keys:
+        aged = layer.aged_windows()
+        if aged.shape[1]:
+            scorer.on_aged(layer.scores, aged, layer.recent_k[:, :, :aged.shape[1] * layer.grid.omega])
+
+
+def decide_rows(layers: list) -> list[tuple[torch.Tensor, RoutingDecision]]:
+    """Algorithm 1's ranking and split (routing.py) of one layer's settled candidates, or of several layers' at once
+    as rows of one decision: the layers of a row cache hold tiers of the same sizes and age the same windows out of
+    their recent regions (one schedule, one plan), so their candidates stack and the decision costs one set of
+    operators for the whole model. -> each layer's (cand_ids (B, C) [quantized | full | aged], decision)."""
+    first = layers[0]
+    if len(layers) == 1:
+        cand = first.candidates()[None]  # (1, B, C)
+        ranks = first.candidate_ranks(cand[0])[None]
+    else:
+        cand = torch.cat([torch.stack([layer.quant.ids for layer in layers]),
+                          torch.stack([layer.full_ids for layer in layers]),
+                          first.aged_windows().expand(len(layers), -1, -1)], dim=2)  # (L, B, C)
+        ranks = first.owner.scorer.rank(torch.stack([layer.scores for layer in layers])).gather(2, cand.long())
+    b = cand.shape[1]
+    k_full, k_quant = first.capacities()
+    both = route_windows(ranks.flatten(0, 1), cand.flatten(0, 1), first.quant.num_windows, k_full, k_quant,
+                         first.owner.config.promotion)  # rows (L·B, ·), layer-major
+    return [(cand[i], RoutingDecision(both.full[i * b:(i + 1) * b], both.quant[i * b:(i + 1) * b],
+                                      both.num_candidates)) for i in range(len(layers))]
+
+
+def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool, cand_ids: torch.Tensor,
+              decision: RoutingDecision) -> None:
     """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
-    when the step read it in place (then only the windows that some row promotes get dequantized)."""
+    when the step read it in place (then only the windows that some row promotes get dequantized); ``decision``
+    over ``cand_ids`` (``decide_rows``)."""
     owner, grid, omega = layer.owner, layer.grid, layer.grid.omega
     n_quant, n_full = layer.quant.num_windows, layer.full_ids.shape[1]
-    cand_ids = layer.candidates()
     aged_ids = cand_ids[:, n_quant + n_full:]
     num_aged = aged_ids.shape[1]
     has_record = torch.cat([torch.ones_like(layer.quant.ids, dtype=torch.bool),
                             layer.dormant_valid if layer.dormant is not None
                             else torch.zeros_like(layer.full_ids, dtype=torch.bool),
                             torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
-    k_full, k_quant = layer.capacities()
-    decision = route_windows(layer.candidate_ranks(cand_ids), cand_ids, n_quant, k_full, k_quant,
-                             owner.config.promotion)
     # copies: a move rewrites the tiers in place
     old = (layer.full_ids.clone(), layer.quant.ids.clone()) if owner.config.record_events else None
     quant_starts = torch.arange(n_quant, device=keys.device) * omega
