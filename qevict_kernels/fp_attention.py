@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lowbit_attention import _store_split
+from .lowbit_attention import _store_split, default_splits
 
 
 @triton.jit
@@ -66,13 +66,6 @@ def block_keys(head_dim: int) -> int:
     return 32 if head_dim >= 128 else 64
 
 
-def default_splits(n: int, rows: int, heads: int, head_dim: int, device: torch.device) -> int:
-    """Enough programs to fill the device, each with at least two tiles of keys."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    wanted = max(1, math.ceil(2 * sms / max(1, rows * heads)))
-    return max(1, min(wanted, math.ceil(n / (2 * block_keys(head_dim)))))
-
-
 def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, count: torch.Tensor,
                      scale: float, splits: int | None = None, exact: bool | None = None):
     """rows (B, Hkv, R, D): the R = G·L query rows of each KV group; keys, values (B, Hkv, n, D) a whole buffer
@@ -84,7 +77,7 @@ def buffer_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     n = keys.shape[2]
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton path (got {d})")
-    splits = splits or default_splits(n, b, hkv, d, rows.device)
+    splits = splits or default_splits(n, b, hkv, block_keys(d), rows.device)  # as the low-bit splits, in keys
     exact = rows.device.type != "cuda" or keys.dtype == torch.float32 if exact is None else exact
     per_split = max(1, math.ceil(n / splits))
     parts_out = torch.empty(b, hkv, splits, r, d, device=rows.device, dtype=torch.float32)

@@ -11,6 +11,7 @@ from qevict_core.engine.attention import make_wrapper
 
 qevict_attention = make_wrapper("sdpa")  # the function transformers calls for a model on SDPA
 from qevict_core.engine.layout import WindowGrid
+from qevict_core.engine.row_move import decide_rows
 from tests.conftest import KV, random_prompt, tiny_model
 
 D, OMEGA, SINKS, RECENT = 16, 8, 4, 8
@@ -188,8 +189,6 @@ def test_one_decision_for_every_layer_equals_each_layers_own(scorer, pool):
     """A forward's routing events, deferred to its end, are decided at once, the layers' candidates stacked as rows
     (row_move.decide_rows): the same candidates and decisions as each layer ranking its own, on four layers whose
     tables and tiers differ."""
-    from qevict_core.engine.row_move import decide_rows
-
     model = tiny_model("llama", 2, num_hidden_layers=4)
     config = QEvictConfig(budget=0.3, scorer=scorer, pool=pool, omega=8, coverage=None)  # Eq. 3: a full tier too
     cache = make_cache("qevict", model, config, max_length=400)

@@ -112,11 +112,9 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
         b, h, _, d = keys.shape
         joined = WindowLedger.empty(b, h, d, omega, owner.config.bits, joined.k_scale.dtype, keys.device, 1)
     last = joined.num_windows - 1  # candidates without a record read the last one (flagged invalid)
-    if layer.dormant is not None:
-        layer.keep_selected(joined, quant_idx.clamp(max=last), decision.full.clamp(max=last),
-                            has_record.gather(1, decision.full))
-    else:
-        layer.keep_selected(joined, quant_idx.clamp(max=last), None, layer.dormant_valid)
+    dormant = layer.dormant is not None
+    layer.keep_selected(joined, quant_idx.clamp(max=last), decision.full.clamp(max=last) if dormant else None,
+                        has_record.gather(1, decision.full) if dormant else layer.dormant_valid)
     layer.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
     owner.count_moves(decision, n_quant, n_full)
     if old is not None:
