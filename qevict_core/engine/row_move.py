@@ -3,7 +3,7 @@ its decision (``decide_rows``) for one layer or for every layer of a forward at 
 
 The decision (``routing.route_windows``) ranks the candidates - the quantized tier, the full tier and the windows
 aging out of the recent region - and moves are gathers from the step's attended keys: promotion copies the already
-dequantized window (or, where the step read the low-bit tier in place, dequantizes the windows some row promotes),
+dequantized window (or, where the step read the low-bit tier in place, dequantizes the windows each row promotes),
 demotion reuses the window's dormant ledger record when it has one and quantizes it (once, ever) when it does not.
 The records the new quantized tier needs and has not got are quantized first and joined with
 ``[quantized | dormant]`` in one copy, from which the quantized tier and the dormant ledger each take their windows
@@ -56,7 +56,7 @@ def decide_rows(layers: list) -> list[tuple[torch.Tensor, RoutingDecision]]:
 def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool, cand_ids: torch.Tensor,
               decision: RoutingDecision) -> None:
     """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
-    when the step read it in place (then only the windows that some row promotes get dequantized); ``decision``
+    when the step read it in place (then each row dequantizes only the windows it promotes); ``decision``
     over ``cand_ids`` (``decide_rows``)."""
     owner, grid, omega = layer.owner, layer.grid, layer.grid.omega
     n_quant, n_full = layer.quant.num_windows, layer.full_ids.shape[1]
@@ -68,18 +68,19 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
                             torch.zeros_like(aged_ids, dtype=torch.bool)], dim=1)
     # copies: a move rewrites the tiers in place
     old = (layer.full_ids.clone(), layer.quant.ids.clone()) if owner.config.record_events else None
-    quant_starts = torch.arange(n_quant, device=keys.device) * omega
-    if not tier_in_keys and n_quant:
-        keys, values, quant_starts = _promoted_first(layer, keys, values, decision, n_quant)
-    # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)].
+    # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)]; without the
+    # quantized tier in ``keys`` its candidates start nowhere (0: their full-tier tokens come from _promoted).
     fp_tokens = layer.fp.capacity if layer.reads_buffer else layer.fp.length  # what ``keys`` ends with
     fp_start = keys.shape[2] - fp_tokens + layer.fp.sinks  # past [quant | sinks]
-    starts = torch.cat([quant_starts, fp_start + torch.arange(n_full, device=keys.device) * omega,
-                        fp_start + (n_full + torch.arange(num_aged, device=keys.device)) * omega])
+    quant_starts = torch.arange(n_quant, device=keys.device) * omega if tier_in_keys else \
+        torch.zeros(n_quant, dtype=torch.long, device=keys.device)
+    starts = torch.cat([quant_starts, fp_start + torch.arange(n_full + num_aged, device=keys.device) * omega])
 
     full_tok = _token_index(starts, decision.full, omega)
     stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
     full_k, full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+    if not tier_in_keys and n_quant:
+        full_k, full_v = _promoted(layer, full_k, full_v, decision, n_quant)
 
     # Records of the candidates: [quantized | dormant (aligned with the full tier)], which index candidates
     # directly, then records quantized now for the quantized tier's windows that have none (aged windows;
@@ -122,21 +123,21 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
     owner.scorer.carry(layer.scores)
 
 
-def _promoted_first(layer, keys: torch.Tensor, values: torch.Tensor, decision, n_quant: int):
-    """[dequantized windows that some row promotes | keys] (the step read the low-bit tier in place, so only
-    they need full precision), and where each quantized slot's tokens start in it. Without sizing on the host,
-    as many slots are dequantized as the full tier has places (promoted ones first), which needs no count."""
-    omega, device = layer.grid.omega, keys.device
-    hit = torch.zeros(n_quant + 1, dtype=torch.uint8, device=device).index_fill_(
-        0, decision.full.flatten().clamp(max=n_quant), 1)[:n_quant]  # (nQ,): slots that some row promotes
-    m = int(hit.sum()) if layer.owner.backend.sizes_moves_on_host else min(decision.full.numel(), n_quant)
-    starts = torch.zeros(n_quant, dtype=torch.long, device=device)
-    if not m:
-        return keys, values, starts
-    slots = hit.unsqueeze(0).argsort(dim=1, descending=True, stable=True)[0, :m]  # promoted first, by slot
-    starts.index_copy_(0, slots, torch.arange(m, device=device) * omega)
-    keys, values = layer.with_quantized([keys], [values], layer.quant.select(slots.expand(keys.shape[0], -1)))
-    return keys, values, starts
+def _promoted(layer, full_k: torch.Tensor, full_v: torch.Tensor, decision, n_quant: int):
+    """The new full tier (B, H, K_f·Ω, D) with the windows each row promotes dequantized (the step read the
+    low-bit tier in place, so only they need full precision): every row dequantizes its own K_f slots, the
+    promoted ones taken (a bound the host knows; with sizing on the host, nothing when no row promotes)."""
+    promoted = decision.full < n_quant  # (B, K_f)
+    if not promoted.shape[1] or layer.owner.backend.sizes_moves_on_host and not bool(promoted.any()):
+        return full_k, full_v
+    b, h, _, d = full_k.shape
+    windows = layer.quant.select(decision.full.clamp(max=n_quant - 1))
+    none = full_k[:, :, :0]
+    deq_k, deq_v = layer.with_quantized([none], [none], windows)  # (B, H, K_f·Ω, D)
+    mask = promoted[:, None, :, None, None]  # (B, 1, K_f, 1, 1): by window
+    by_window = (b, h, promoted.shape[1], -1, d)  # (B, H, K_f, Ω, D)
+    return (torch.where(mask, deq_k.view(by_window), full_k.view(by_window)).view(b, h, -1, d),
+            torch.where(mask, deq_v.view(by_window), full_v.view(by_window)).view(b, h, -1, d))
 
 
 def _token_index(starts: torch.Tensor, cand_idx: torch.Tensor, omega: int) -> torch.Tensor:
