@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+import torch
+
 from .engine.layout import WindowGrid
 
 
@@ -55,6 +57,27 @@ class RoutingEvent:
     scores: dict[int, float | None] = field(default_factory=dict)
     head: int | None = None
     kind: str = "routing"
+
+    @classmethod
+    def after_move(cls, layer, old: tuple, aged: list[int]) -> RoutingEvent:
+        """Batch row 0 of ``layer`` (an engine layer) just after a move: ``old`` copies of its full and quantized
+        tiers' ids (B, ·) before it, ``aged`` the windows that left the recent region."""
+        grid, owner = layer.grid, layer.owner
+        old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
+        full, quant = layer.full_ids[0].tolist(), layer.quant.ids[0].tolist()
+        live = set(full) | set(quant)
+        evicted = sorted((old_full | old_quant | set(aged)) - live)
+        recent = range(grid.window_of(layer.recent_start), grid.window_of(layer.seen - 1) + 1)
+        shown = sorted(live | set(evicted) | set(recent))
+        ranking = owner.scorer.ranking(layer.scores[0])
+        values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
+        return cls(
+            lane="", step=owner.step, layer=layer.layer_idx, head=layer.head, seen=layer.seen,
+            recent_start=layer.recent_start, sinks=grid.sinks, omega=grid.omega, full=full, quantized=quant,
+            promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
+            admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
+            scores=dict(zip(shown, values)),
+        )
 
     @property
     def grid(self) -> WindowGrid:

@@ -12,6 +12,8 @@ from .layout import WindowGrid
 from .quant import UNFIT
 from .cache_base import ReportingCache, ReportingLayer
 from ..config import QEvictConfig
+from ..events import RoutingEvent
+from .layer_stack import StackedLayer, row_tensors
 from .qevict_layer import QEvictLayer
 from .rope import Rope
 from .row_move import decide_rows, settle
@@ -62,6 +64,7 @@ class QEvictCache(ReportingCache):
         self._unfit_unread = False
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._deferred: list = []  # (layer, keys, values) of this forward's routing event, moved at its end
+        self._stack: StackedLayer | None = None  # every layer's tiers as rows of one storage (layer_stack.py)
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
         self.backend.prepare(self)
@@ -123,7 +126,7 @@ class QEvictCache(ReportingCache):
 
     def replayed_records(self, records: list) -> None:
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
-            self.events.append(layer.routing_event(old, aged[0].tolist()))
+            self.events.append(RoutingEvent.after_move(layer, old, aged[0].tolist()))
 
     def defer_move(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A layer's routing event, left for the end of the forward (its keys outlive the forward: they are its
@@ -137,18 +140,27 @@ class QEvictCache(ReportingCache):
         self._rope_table = None  # transient: nothing of it persists to the next step
 
     def move_deferred(self) -> None:
-        """The deferred routing events: every layer's settled, decided at once, moved layer by layer. At the end
-        of a forward; also before anything reads the cache or the next forward starts, for a caller that drove
-        fewer layers than the model has (a test driving one layer)."""
+        """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack once
+        their tiers are; before that, decided at once, moved layer by layer, then stacked). At the end of a forward;
+        also before anything reads the cache or the next forward starts, for a caller that drove fewer layers than
+        the model has (a test driving one layer)."""
         deferred, self._deferred = self._deferred, []
-        if deferred:
-            layers = [layer for layer, _, _ in deferred]
-            for layer in layers:
-                settle(layer)
-            sizes = {(layer.quant.num_windows, layer.full_ids.shape[1], layer.recent_start) for layer in layers}
-            decided = decide_rows(layers) if len(sizes) == 1 else [decide_rows([layer])[0] for layer in layers]
-            for (layer, keys, values), one in zip(deferred, decided):
-                layer.move(keys, values, one)
+        if not deferred:
+            return
+        layers = [layer for layer, _, _ in deferred]
+        if self._stack is not None and self._stack.holds(layers):  # every layer's tiers are rows of the stack
+            self._stack.move_all()
+            return
+        self._stack = None
+        for layer in layers:
+            settle(layer)
+        sizes = {(layer.quant.num_windows, layer.full_ids.shape[1], layer.recent_start) for layer in layers}
+        decided = decide_rows(layers) if len(sizes) == 1 else [decide_rows([layer])[0] for layer in layers]
+        for (layer, keys, values), one in zip(deferred, decided):
+            layer.move(keys, values, one)
+        if len(layers) == len(self.layers) and StackedLayer.can_hold(layers):  # later events move them at once
+            self.note_workspace(sum(t.nbytes for layer in layers for t in row_tensors(layer) if t is not None))
+            self._stack = StackedLayer(layers)
 
     def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (seen, D), or (max_length, D) where steps keep one shape: rows of every position, built by the

@@ -32,6 +32,29 @@ class FullPrecision:
         self.sinks = self.full = self.length = 0
         self.count = torch.zeros(1, dtype=torch.long, device=like.device) if counts else None
 
+    @classmethod
+    def join_rows(cls, parts: list[FullPrecision]) -> FullPrecision:
+        """Buffers of the same layout as rows of one (one copy; ``count`` (n,), one per part): layer_stack.py."""
+        first = parts[0]
+        joined = cls.__new__(cls)
+        joined.keys = torch.cat([part.keys for part in parts])
+        joined.values = torch.cat([part.values for part in parts])
+        joined.count = None if first.count is None else torch.cat([part.count for part in parts])
+        joined.follow(first)
+        return joined
+
+    def take_rows(self, joined: FullPrecision, index: int) -> None:
+        """Become part ``index`` of ``joined`` (``join_rows``): views of its rows, its host counters."""
+        b = self.keys.shape[0]
+        self.keys, self.values = joined.keys[index * b:(index + 1) * b], joined.values[index * b:(index + 1) * b]
+        if joined.count is not None:
+            self.count = joined.count[index:index + 1]
+        self.follow(joined)
+
+    def follow(self, other: FullPrecision) -> None:
+        """``other``'s host counters (a buffer of the same layout and fill)."""
+        self.reserve, self.sinks, self.full, self.length = other.reserve, other.sinks, other.full, other.length
+
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]

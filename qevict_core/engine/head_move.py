@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .assemble import assemble
+from ..events import RoutingEvent
 from .ledger import WindowLedger
 from .rope import unrotate
 from .routing import decide
@@ -121,7 +122,7 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     owner.add_moves(promoted.sum(), (q_tier == 1).sum(), sum(sizes) - f_rec.numel() - q_rec.numel())
     if old is not None:
         aged = cands[0][len(cands[0]) - num_aged:].tolist()
-        owner.events.extend(head.routing_event(o, aged) for head, o in zip(heads, old))
+        owner.events.extend(RoutingEvent.after_move(head, o, aged) for head, o in zip(heads, old))
     owner.scorer.carry(layer.scores)  # the stacked table: every head's row at once
     owner.note_bytes(layer.layer_idx)
 

@@ -170,6 +170,18 @@ class WindowLedger:
         joined.update({name: torch.cat([getattr(part, name) for part in parts], dim=2) for name in _SEQ_FIELDS})
         return WindowLedger(**joined, omega=self.omega, bits=self.bits)
 
+    @classmethod
+    def join_rows(cls, ledgers: list[WindowLedger]) -> WindowLedger:
+        """Ledgers of as many windows as rows of one, in order (one copy): layer_stack.py."""
+        first = ledgers[0]
+        return cls(**{name: torch.cat([getattr(ledger, name) for ledger in ledgers]) for name in TENSORS},
+                   omega=first.omega, bits=first.bits)
+
+    def rows(self, start: int, stop: int) -> WindowLedger:
+        """Batch rows ``start:stop`` as views (contiguous: a row is a contiguous run of every field)."""
+        return WindowLedger(**{name: getattr(self, name)[start:stop] for name in TENSORS}, omega=self.omega,
+                            bits=self.bits)
+
     def split(self, counts: list[int]) -> list[WindowLedger]:
         """Consecutive runs of ``counts`` windows, as views (no copy): one ledger per run."""
         tokens = [n * self.omega for n in counts]

@@ -23,7 +23,6 @@ import torch
 
 from .assemble import assemble
 from .cache_base import ReportingLayer, tensor_key
-from ..events import RoutingEvent
 from .layout import WindowGrid
 from .fp_region import FullPrecision
 from .row_move import decide_rows, move_rows, settle
@@ -258,7 +257,28 @@ class QEvictLayer(ReportingLayer):
         layer's own ranking of its settled candidates."""
         cand_ids, decision = decided or decide_rows([self])[0]
         move_rows(self, key, value, not self.owner.backend.reads_tier_in_place, cand_ids, decision)
+        self.note_moved()
+
+    def note_moved(self) -> None:
+        """The owner's byte count after a move."""
         self.owner.note_bytes(self.layer_idx)
+
+    def record_move(self, old: tuple[torch.Tensor, torch.Tensor], aged: torch.Tensor) -> None:
+        """A move to record (``config.record_events``): ``old`` copies of the full and quantized tiers' ids before
+        it, ``aged`` (B, n) the windows that left the recent region."""
+        self.owner.record_routing(self, old, aged)
+
+    def take_rows(self, stack, index: int) -> None:
+        """Become layer ``index`` of ``stack`` (layer_stack.py): views of its rows, its host counters."""
+        start, stop = index * self.owner.shape.batch, (index + 1) * self.owner.shape.batch
+        self.fp.take_rows(stack.fp, index)
+        self.recent_origin = None if stack.recent_origin is None else stack.recent_origin[index:index + 1]
+        self.full_ids, self.dormant_valid = stack.full_ids[start:stop], stack.dormant_valid[start:stop]
+        self.quant = stack.quant.rows(start, stop)
+        self.dormant = None if stack.dormant is None else stack.dormant.rows(start, stop)
+        self.scores = stack.scores[start:stop]
+        self.interval = None if stack.interval is None else stack.interval[start:stop]
+        self.recent_start = stack.recent_start
 
     def _fold(self, kv_mass: torch.Tensor, q_heads: int) -> None:
         """Per-key mass (B, Hkv, N) of this step's queries, keys laid out [quantized | sinks | full | recent], into
@@ -345,24 +365,6 @@ class QEvictLayer(ReportingLayer):
 
     def candidate_ranks(self, cand_ids: torch.Tensor) -> torch.Tensor:
         return self.owner.scorer.rank(self.scores).gather(1, cand_ids.long())
-
-    def routing_event(self, old, aged: list[int]) -> RoutingEvent:
-        old_full, old_quant = set(old[0][0].tolist()), set(old[1][0].tolist())
-        full, quant = self.full_ids[0].tolist(), self.quant.ids[0].tolist()
-        live = set(full) | set(quant)
-        evicted = sorted((old_full | old_quant | set(aged)) - live)
-        recent = range(self.grid.window_of(self.recent_start), self.grid.window_of(self.seen - 1) + 1)
-        shown = sorted(live | set(evicted) | set(recent))
-        ranking = self.owner.scorer.ranking(self.scores[0])
-        values = ranking[torch.tensor(shown, dtype=torch.long, device=ranking.device)].tolist() if shown else []
-        return RoutingEvent(
-            lane="", step=self.owner.step, layer=self.layer_idx, head=self.head, seen=self.seen,
-            recent_start=self.recent_start, sinks=self.grid.sinks, omega=self.grid.omega,
-            full=full, quantized=quant,
-            promoted=sorted(set(full) & old_quant), demoted=sorted(set(quant) & old_full), evicted=evicted,
-            admitted={w: "full" if w in full else "quantized" if w in quant else "evicted" for w in aged},
-            scores=dict(zip(shown, values)),
-        )
 
     def resident_bytes(self) -> dict[str, int]:
         if not self.is_initialized:

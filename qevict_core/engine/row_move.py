@@ -119,7 +119,7 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
     layer.keep_moved(full_k, full_v, cand_ids.gather(1, decision.full), num_aged)
     owner.count_moves(decision, n_quant, n_full)
     if old is not None:
-        owner.record_routing(layer, old, aged_ids)
+        layer.record_move(old, aged_ids)
     owner.scorer.carry(layer.scores)
 
 

@@ -1,0 +1,65 @@
+"""Every layer's tiers as rows of one storage (engine/layer_stack.py): a routing event moved as one stack gives the
+tokens, tiers, events, moves and bytes of the layer-by-layer move, and a layer that leaves the stack is moved alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qevict_core.config import QEvictConfig
+from qevict_core.engine.layer_stack import StackedLayer, row_tensors
+from qevict_core.factory import make_cache
+from qevict_core.testing import tiny_model
+from qevict_kernels import cpu_decode
+
+pytestmark = pytest.mark.skipif(cpu_decode.available() is not None, reason="the C kernel needs a compiler")
+
+
+def _generate(monkeypatch, stacked: bool, batch: int, new_tokens: int = 90):
+    model = tiny_model("llama", 2, num_hidden_layers=3)
+    prompt = torch.randint(0, 256, (batch, 300), generator=torch.Generator().manual_seed(1))
+    config = QEvictConfig(budget=0.4, k_full=4, k_quant=10, kernels="cpu", record_events=True)
+    cache = make_cache("qevict", model, config, max_length=420, batch_size=batch)
+    moved_at_once = []
+    with monkeypatch.context() as patch:
+        if not stacked:
+            patch.setattr(StackedLayer, "can_hold", staticmethod(lambda layers: False))
+        move_all = StackedLayer.move_all
+        patch.setattr(StackedLayer, "move_all", lambda self: (moved_at_once.append(1), move_all(self)))
+        tokens = model.generate(prompt, cache=cache, max_new_tokens=new_tokens, do_sample=False)
+    return tokens, cache, len(moved_at_once), model
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_stacked_move_is_the_layer_by_layer_move(monkeypatch, batch):
+    tokens, cache, at_once, _ = _generate(monkeypatch, True, batch)
+    alone_tokens, alone, never, _ = _generate(monkeypatch, False, batch)
+    assert at_once >= 9 and never == 0  # every event after the first two moved every layer at once
+    assert torch.equal(tokens, alone_tokens)
+    assert cache.summary() == alone.summary() and cache.summary()["promotions"] > 0  # promotions and demotions ran
+    assert [e.to_dict() for e in cache.drain_events()] == [e.to_dict() for e in alone.drain_events()]
+    assert cache.memory_report()["components"] == alone.memory_report()["components"]
+    for index, (layer, other) in enumerate(zip(cache.layers, alone.layers)):
+        for mine, theirs in zip(row_tensors(layer), row_tensors(other)):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert torch.equal(mine, theirs), index
+        assert layer.fp.keys.untyped_storage().data_ptr() == cache.layers[0].fp.keys.untyped_storage().data_ptr()
+
+
+def test_a_continuation_read_at_once_leaves_the_stack_and_the_next_event_stacks_again(monkeypatch):
+    """A forward of many tokens after decoding grows every layer's buffer past the stack's storage: that event moves
+    layer by layer, a new stack is built after it, and the tokens are the layer-by-layer move's throughout."""
+    runs = []
+    for stacked in (True, False):
+        tokens, cache, _, model = _generate(monkeypatch, stacked, 1, new_tokens=40)
+        first = cache._stack
+        more = torch.cat([tokens, torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(2))], 1)
+        with monkeypatch.context() as patch:
+            if not stacked:
+                patch.setattr(StackedLayer, "can_hold", staticmethod(lambda layers: False))
+            runs.append(model.generate(more, cache=cache, max_new_tokens=20, do_sample=False))
+        if stacked:
+            assert first is not None and cache._stack is not None and cache._stack is not first
+            assert not first.holds(cache.layers) and cache._stack.holds(cache.layers)
+    assert torch.equal(runs[0], runs[1])
