@@ -12,13 +12,14 @@ from qevict_core.factory import make_cache
 from qevict_core.testing import tiny_model
 from qevict_kernels import cpu_decode
 
-pytestmark = pytest.mark.skipif(cpu_decode.available() is not None, reason="the C kernel needs a compiler")
+PATHS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(cpu_decode.available() is not None,
+                                                                reason="the C kernel needs a compiler"))]
 
 
-def _generate(monkeypatch, stacked: bool, batch: int, new_tokens: int = 90):
+def _generate(monkeypatch, stacked: bool, batch: int, new_tokens: int = 90, kernels: str = "cpu"):
     model = tiny_model("llama", 2, num_hidden_layers=3)
     prompt = torch.randint(0, 256, (batch, 300), generator=torch.Generator().manual_seed(1))
-    config = QEvictConfig(budget=0.4, k_full=4, k_quant=10, kernels="cpu", record_events=True)
+    config = QEvictConfig(budget=0.4, k_full=4, k_quant=10, kernels=kernels, record_events=True)
     cache = make_cache("qevict", model, config, max_length=420, batch_size=batch)
     moved_at_once = []
     with monkeypatch.context() as patch:
@@ -30,10 +31,13 @@ def _generate(monkeypatch, stacked: bool, batch: int, new_tokens: int = 90):
     return tokens, cache, len(moved_at_once), model
 
 
+@pytest.mark.parametrize("kernels", PATHS)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_stacked_move_is_the_layer_by_layer_move(monkeypatch, batch):
-    tokens, cache, at_once, _ = _generate(monkeypatch, True, batch)
-    alone_tokens, alone, never, _ = _generate(monkeypatch, False, batch)
+def test_a_stacked_move_is_the_layer_by_layer_move(monkeypatch, batch, kernels):
+    """The C path reads the low-bit tier in place; the PyTorch path attends over a workspace and moves from the
+    layers' own tiers at the forward's end."""
+    tokens, cache, at_once, _ = _generate(monkeypatch, True, batch, kernels=kernels)
+    alone_tokens, alone, never, _ = _generate(monkeypatch, False, batch, kernels=kernels)
     assert at_once >= 9 and never == 0  # every event after the first two moved every layer at once
     assert torch.equal(tokens, alone_tokens)
     assert cache.summary() == alone.summary() and cache.summary()["promotions"] > 0  # promotions and demotions ran
@@ -47,12 +51,13 @@ def test_a_stacked_move_is_the_layer_by_layer_move(monkeypatch, batch):
         assert layer.fp.keys.untyped_storage().data_ptr() == cache.layers[0].fp.keys.untyped_storage().data_ptr()
 
 
-def test_a_continuation_read_at_once_leaves_the_stack_and_the_next_event_stacks_again(monkeypatch):
+@pytest.mark.parametrize("kernels", PATHS)
+def test_a_continuation_read_at_once_leaves_the_stack_and_the_next_event_stacks_again(monkeypatch, kernels):
     """A forward of many tokens after decoding grows every layer's buffer past the stack's storage: that event moves
     layer by layer, a new stack is built after it, and the tokens are the layer-by-layer move's throughout."""
     runs = []
     for stacked in (True, False):
-        tokens, cache, _, model = _generate(monkeypatch, stacked, 1, new_tokens=40)
+        tokens, cache, _, model = _generate(monkeypatch, stacked, 1, new_tokens=40, kernels=kernels)
         first = cache._stack
         more = torch.cat([tokens, torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(2))], 1)
         with monkeypatch.context() as patch:

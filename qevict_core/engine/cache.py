@@ -63,7 +63,7 @@ class QEvictCache(ReportingCache):
         self._unfit: torch.Tensor | None = None
         self._unfit_unread = False
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._deferred: list = []  # (layer, keys, values) of this forward's routing event, moved at its end
+        self._deferred: list = []  # the layers whose routing event this forward has reached, moved at its end
         self._stack: StackedLayer | None = None  # every layer's tiers as rows of one storage (layer_stack.py)
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
@@ -128,12 +128,12 @@ class QEvictCache(ReportingCache):
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
             self.events.append(RoutingEvent.after_move(layer, old, aged[0].tolist()))
 
-    def defer_move(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A layer's routing event, left for the end of the forward (its keys outlive the forward: they are its
-        buffer, not a workspace), when every layer's is decided at once (``row_move.decide_rows``). A layer's move
-        touches only its own tiers, which no other layer of the forward reads, so nothing changes but the count of
-        operators."""
-        self._deferred.append((layer, keys, values))
+    def defer_move(self, layer) -> None:
+        """A layer's routing event, left for the end of the forward, when every layer's is decided at once
+        (``row_move.decide_rows``) and moved from the layer's own tiers (``own_keys``: what the step attended over
+        is a workspace on the PyTorch path). A layer's move touches only its own tiers, which no other layer of the
+        forward reads, so nothing changes but the count of operators."""
+        self._deferred.append(layer)
 
     def end_forward(self) -> None:
         self.move_deferred()
@@ -144,10 +144,9 @@ class QEvictCache(ReportingCache):
         their tiers are; before that, decided at once, moved layer by layer, then stacked). At the end of a forward;
         also before anything reads the cache or the next forward starts, for a caller that drove fewer layers than
         the model has (a test driving one layer)."""
-        deferred, self._deferred = self._deferred, []
-        if not deferred:
+        layers, self._deferred = self._deferred, []
+        if not layers:
             return
-        layers = [layer for layer, _, _ in deferred]
         if self._stack is not None and self._stack.holds(layers):  # every layer's tiers are rows of the stack
             self._stack.move_all()
             return
@@ -156,8 +155,8 @@ class QEvictCache(ReportingCache):
             settle(layer)
         sizes = {(layer.quant.num_windows, layer.full_ids.shape[1], layer.recent_start) for layer in layers}
         decided = decide_rows(layers) if len(sizes) == 1 else [decide_rows([layer])[0] for layer in layers]
-        for (layer, keys, values), one in zip(deferred, decided):
-            layer.move(keys, values, one)
+        for layer, one in zip(layers, decided):
+            layer.move(*layer.own_keys(), one)
         if len(layers) == len(self.layers) and StackedLayer.can_hold(layers):  # later events move them at once
             self.note_workspace(sum(t.nbytes for layer in layers for t in row_tensors(layer) if t is not None))
             self._stack = StackedLayer(layers)

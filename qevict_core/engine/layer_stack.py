@@ -72,8 +72,7 @@ class StackedLayer(QEvictLayer):
         """Every layer's routing event at once: settle, rank and move the stack's rows."""
         self._follow(self.layers[0])
         settle(self)
-        keys, values = (self.fp.keys, self.fp.values) if self.reads_buffer else self.fp.live()
-        self.move(keys, values)
+        self.move(*self.own_keys())
 
     def _follow(self, layer: QEvictLayer) -> None:
         """The host counters of ``layer`` (every layer of the stack has the same)."""

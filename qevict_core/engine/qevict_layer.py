@@ -13,8 +13,10 @@ State of one layer, all in the (B, H, T, D) layout; only the layer's own methods
   scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
   queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
   stage: while a prompt is read in chunks, the part read so far as INT8 blocks (prompt_stage.py); None otherwise.
-``update`` returns keys/values as [dequantized quant | sinks | full | recent]; the routing reads candidates back
-from that tensor, so promotion costs a gather, not another dequantization.
+``update`` returns keys/values as [dequantized quant | sinks | full | recent] on the PyTorch path, [sinks | full |
+recent] where a backend reads the low-bit tier in place. A routing event waits for the forward's end (every layer's
+decided at once, ``QEvictCache.move_deferred``) and reads the layer's own buffer (``own_keys``), dequantizing only
+the windows it promotes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .assemble import assemble
 from .cache_base import ReportingLayer, tensor_key
 from .layout import WindowGrid
 from .fp_region import FullPrecision
-from .row_move import decide_rows, move_rows, settle
+from .row_move import decide_rows, move_rows
 from .ledger import TENSORS, WindowLedger
 from .key_mass import attend_with_mass, kv_head_mass
 from .prompt_stage import PromptStage
@@ -187,10 +189,8 @@ class QEvictLayer(ReportingLayer):
         out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
         if self.stage is not None:
             self.stage.absorb(self)
-        elif self.owner.routed() and self.owner.backend.reads_tier_in_place:  # keys that outlive the forward
-            self.owner.defer_move(self, key, value)  # decided with every layer's at the forward's end
-        elif self.owner.routed():
-            self.route(key, value)
+        elif self.owner.routed():  # decided and moved with every layer's at the forward's end
+            self.owner.defer_move(self)
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
@@ -247,16 +247,16 @@ class QEvictLayer(ReportingLayer):
         in front of the buffer: two operators, no positions."""
         return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count
 
-    def route(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """A routing event on what ``update`` returned (called when ``owner.routed()``), this layer alone."""
-        settle(self)
-        self.move(key, value)
+    def own_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-precision keys and values as the last ``append`` returned them before any low-bit tier was put
+        in front (the buffer, or its live part): what a move deferred to the forward's end reads."""
+        return (self.fp.keys, self.fp.values) if self.reads_buffer else self.fp.live()
 
     def move(self, key: torch.Tensor, value: torch.Tensor, decided: tuple | None = None) -> None:
         """Move windows between tiers as decided (``decide_rows``: (candidates, decision)); by default by this
-        layer's own ranking of its settled candidates."""
+        layer's own ranking of its settled candidates. ``key``/``value``: what ``update`` returned, or ``own_keys``."""
         cand_ids, decision = decided or decide_rows([self])[0]
-        move_rows(self, key, value, not self.owner.backend.reads_tier_in_place, cand_ids, decision)
+        move_rows(self, key, value, cand_ids, decision)
         self.note_moved()
 
     def note_moved(self) -> None:

@@ -53,7 +53,7 @@ def decide_rows(layers: list) -> list[tuple[torch.Tensor, RoutingDecision]]:
                                       both.num_candidates)) for i in range(len(layers))]
 
 
-def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: bool, cand_ids: torch.Tensor,
+def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, cand_ids: torch.Tensor,
               decision: RoutingDecision) -> None:
     """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
     when the step read it in place (then each row dequantizes only the windows it promotes); ``decision``
@@ -71,6 +71,7 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, tier_in_keys: boo
     # Where each candidate's tokens start in ``keys``: [quant | sinks | full | recent (aged first)]; without the
     # quantized tier in ``keys`` its candidates start nowhere (0: their full-tier tokens come from _promoted).
     fp_tokens = layer.fp.capacity if layer.reads_buffer else layer.fp.length  # what ``keys`` ends with
+    tier_in_keys = keys.shape[2] > fp_tokens
     fp_start = keys.shape[2] - fp_tokens + layer.fp.sinks  # past [quant | sinks]
     quant_starts = torch.arange(n_quant, device=keys.device) * omega if tier_in_keys else \
         torch.zeros(n_quant, dtype=torch.long, device=keys.device)
