@@ -68,3 +68,27 @@ def test_a_continuation_read_at_once_leaves_the_stack_and_the_next_event_stacks_
             assert first is not None and cache._stack is not None and cache._stack is not first
             assert not first.holds(cache.layers) and cache._stack.holds(cache.layers)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("kernels", PATHS)
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_a_prompt_is_routed_layer_by_layer_so_no_two_layers_hold_it_whole(monkeypatch, kernels, chunk):
+    """Only decode steps wait for the forward's end: a prompt's event moves each layer right after its attention,
+    so its full-precision prompt never sits in two layers at once (deferred, every layer would hold it at the end
+    of the forward: FullKV's bytes at the peak)."""
+    from qevict_core.engine.qevict_layer import QEvictLayer
+    from qevict_core.generation.prefill import prefill
+
+    model = tiny_model("llama", 2, num_hidden_layers=3)
+    config = QEvictConfig(budget=0.4, k_full=4, k_quant=10, kernels=kernels)
+    cache = make_cache("qevict", model, config, max_length=420)
+    holding = []  # at each attention: how many layers hold more than the plan's buffer
+    attend = QEvictLayer.attend
+
+    def counted(self, *args, **kwargs):
+        holding.append(sum(layer.fp.capacity > layer.fp_reserve() for layer in cache.layers if layer.is_initialized))
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(QEvictLayer, "attend", counted)
+    prefill(model, torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1)), cache, chunk)
+    assert max(holding) == 1 and cache.layers[-1].fp.capacity == cache.layers[-1].fp_reserve()

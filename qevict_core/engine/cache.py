@@ -137,11 +137,16 @@ class QEvictCache(ReportingCache):
 
     def end_forward(self) -> None:
         self.move_deferred()
+        if self.routed() and (self._stack is None or not self._stack.holds(self.layers)):
+            self._stack = None  # every layer's tiers as rows of one storage, for the next events (layer_stack.py)
+            if StackedLayer.can_hold(self.layers):
+                self.note_workspace(sum(t.nbytes for x in self.layers for t in row_tensors(x) if t is not None))
+                self._stack = StackedLayer(self.layers)
         self._rope_table = None  # transient: nothing of it persists to the next step
 
     def move_deferred(self) -> None:
-        """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack once
-        their tiers are; before that, decided at once, moved layer by layer, then stacked). At the end of a forward;
+        """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack when
+        their tiers are, ``end_forward``; else decided at once and moved layer by layer). At the end of a forward;
         also before anything reads the cache or the next forward starts, for a caller that drove fewer layers than
         the model has (a test driving one layer)."""
         layers, self._deferred = self._deferred, []
@@ -157,9 +162,6 @@ class QEvictCache(ReportingCache):
         decided = decide_rows(layers) if len(sizes) == 1 else [decide_rows([layer])[0] for layer in layers]
         for layer, one in zip(layers, decided):
             layer.move(*layer.own_keys(), one)
-        if len(layers) == len(self.layers) and StackedLayer.can_hold(layers):  # later events move them at once
-            self.note_workspace(sum(t.nbytes for layer in layers for t in row_tensors(layer) if t is not None))
-            self._stack = StackedLayer(layers)
 
     def rope_table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (seen, D), or (max_length, D) where steps keep one shape: rows of every position, built by the

@@ -24,6 +24,7 @@ class ReportingLayer(CacheLayerMixin):
 
     accepts_padding = False
     steps_at_fixed_shape = False  # every decode step of one token is the same call (a graph can replay it)
+    stacks_as_rows = False  # its tiers can be rows of one storage with its cache's other layers' (layer_stack.py)
 
     def __init__(self, layer_idx: int, owner: ReportingCache):
         super().__init__()

@@ -50,6 +50,7 @@ class HeadLayer(QEvictLayer):
     """One KV head of one layer, routed on its own; ``allotted`` is its (K_f, K_q) for the next routing event."""
 
     rewrites_in_place = False  # its low-bit tier, dormant ledger and ids are views of its layer's (head_move.py)
+    stacks_as_rows = False  # its tiers have its own sizes (allotted)
     steps_at_fixed_shape = False  # its buffer holds exactly what is live (fp_reserve)
 
     def __init__(self, layer_idx: int, owner: QEvictCache, head: int):

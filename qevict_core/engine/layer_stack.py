@@ -1,16 +1,16 @@
 """Every layer's tiers as rows of one storage, so that a routing event moves the whole model's windows with one set
 of operators instead of one set per layer (issue 44, item 3).
 
-On the backends that read the low-bit tier in place, every layer's routing event waits for the end of the forward
-(``QEvictCache.defer_move``), and the layers of a row cache hold tiers of the same sizes and age the same windows
-out of their recent regions. Once they do, the cache copies their tiers, once, into a ``StackedLayer``: a layer of
-L·B rows whose tensors are the storage, layer l's being rows [l·B, (l+1)·B) (views, each contiguous, so the kernels
-read them as before; the bytes are counted once, by the layers). A routing event is then one move of the stack
-(row_move.py, unchanged: rows of different layers are as independent as batch rows, and one decision ranks them
-all as ``decide_rows`` does), after which every layer takes its rows again (the same storage while the tiers keep
-their sizes). Tokens, moves and bytes are those of the layer-by-layer move; only the count of operators changes.
-If a layer's tensors stop being its rows (a forward of many tokens grew its buffer), that event moves layer by
-layer and the stack is built again after it.
+The layers of a row cache hold tiers of the same sizes and age the same windows out of their recent regions, and a
+decode step's routing event waits for the end of the forward (``QEvictCache.defer_move``). At the end of a forward
+that routed, the cache copies the layers' tiers, once, into a ``StackedLayer``: a layer of L·B rows whose tensors
+are the storage, layer l's being rows [l·B, (l+1)·B) (views, each contiguous, so the kernels read them as before;
+the bytes are counted once, by the layers). A decode step's event is then one move of the stack (row_move.py,
+unchanged: rows of different layers are as independent as batch rows, and one decision ranks them all as
+``decide_rows`` does), after which every layer takes its rows again (the same storage while the tiers keep their
+sizes). Tokens, moves and bytes are those of the layer-by-layer move; only the count of operators changes. If a
+layer's tensors stop being its rows (a continuation read at once grew its buffer), that forward moves layer by
+layer and the stack is built again at its end.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from .row_move import settle
 
 class StackedLayer(QEvictLayer):
     """``layers`` (QEvictLayer, every one of a row cache, in order) as one layer of L·B rows."""
+
+    stacks_as_rows = False
 
     def __init__(self, layers: list[QEvictLayer]):
         first = layers[0]
@@ -45,8 +47,11 @@ class StackedLayer(QEvictLayer):
             layer.take_rows(self, index)
 
     @staticmethod
-    def can_hold(layers: list[QEvictLayer]) -> bool:
-        """Whether ``layers`` are alike enough to be rows of one layer: the same host counters, the same shapes."""
+    def can_hold(layers: list) -> bool:
+        """Whether ``layers`` can be rows of one layer: row layers, initialized, with the same host counters and
+        the same shapes."""
+        if not all(layer.stacks_as_rows and layer.is_initialized for layer in layers):
+            return False
         first = layers[0]
         return all(_host(layer) == _host(first) and _shapes(layer) == _shapes(first) for layer in layers)
 

@@ -13,10 +13,9 @@ State of one layer, all in the (B, H, T, D) layout; only the layer's own methods
   scores (B,W) float32, the scorer's table, into which every step folds its own attention mass (nothing of the
   queries is kept); interval (B,W) only for a scorer that transforms each interval's mass (pnorm).
   stage: while a prompt is read in chunks, the part read so far as INT8 blocks (prompt_stage.py); None otherwise.
-``update`` returns keys/values as [dequantized quant | sinks | full | recent] on the PyTorch path, [sinks | full |
-recent] where a backend reads the low-bit tier in place. A routing event waits for the forward's end (every layer's
-decided at once, ``QEvictCache.move_deferred``) and reads the layer's own buffer (``own_keys``), dequantizing only
-the windows it promotes.
+``update`` returns [dequantized quant | sinks | full | recent] on the PyTorch path, [sinks | full | recent] where a
+backend reads the low-bit tier in place. A decode step's routing event waits for the forward's end (every layer's at
+once, ``QEvictCache.move_deferred``) and reads the layer's own buffer (``own_keys``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from .assemble import assemble
 from .cache_base import ReportingLayer, tensor_key
 from .layout import WindowGrid
 from .fp_region import FullPrecision
-from .row_move import decide_rows, move_rows
+from .row_move import decide_rows, move_rows, settle
 from .ledger import TENSORS, WindowLedger
 from .key_mass import attend_with_mass, kv_head_mass
 from .prompt_stage import PromptStage
@@ -39,9 +38,9 @@ class QEvictLayer(ReportingLayer):
     # A decode step reads the whole full-precision buffer, positions from device counters, where the backend asks
     # for steps of one shape (``Backend.steps_at_fixed_shape``); False where a layer's buffer follows its fill.
     steps_at_fixed_shape = True
-    # A move writes the new full tier's ids into the old ones' storage when their size holds (False where they are
-    # views of storage shared with other heads, head_move.py).
+    # A move rewrites the full tier's ids in place when their size holds (not views shared by heads, head_move.py)
     rewrites_in_place = True
+    stacks_as_rows = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
@@ -189,8 +188,11 @@ class QEvictLayer(ReportingLayer):
         out = self.attend_and_score(module, query, key, value, scaling, dropout, output)
         if self.stage is not None:
             self.stage.absorb(self)
-        elif self.owner.routed():  # decided and moved with every layer's at the forward's end
+        elif self.owner.routed() and query.shape[2] == 1:  # a decode step: moved with every layer's at its end
             self.owner.defer_move(self)
+        elif self.owner.routed():  # a prompt or a continuation: moved now, or every layer would hold it whole at once
+            settle(self)
+            self.move(key, value)
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
@@ -248,8 +250,7 @@ class QEvictLayer(ReportingLayer):
         return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count
 
     def own_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full-precision keys and values as the last ``append`` returned them before any low-bit tier was put
-        in front (the buffer, or its live part): what a move deferred to the forward's end reads."""
+        """The buffer (or its live part, as the last ``append`` returned it): what a deferred move reads."""
         return (self.fp.keys, self.fp.values) if self.reads_buffer else self.fp.live()
 
     def move(self, key: torch.Tensor, value: torch.Tensor, decided: tuple | None = None) -> None:
@@ -259,13 +260,11 @@ class QEvictLayer(ReportingLayer):
         move_rows(self, key, value, cand_ids, decision)
         self.note_moved()
 
-    def note_moved(self) -> None:
-        """The owner's byte count after a move."""
+    def note_moved(self) -> None:  # the owner's byte count after a move
         self.owner.note_bytes(self.layer_idx)
 
     def record_move(self, old: tuple[torch.Tensor, torch.Tensor], aged: torch.Tensor) -> None:
-        """A move to record (``config.record_events``): ``old`` copies of the full and quantized tiers' ids before
-        it, ``aged`` (B, n) the windows that left the recent region."""
+        """A move to record (``config.record_events``): ``old`` copies of the tiers' ids, ``aged`` (B, n) ids."""
         self.owner.record_routing(self, old, aged)
 
     def take_rows(self, stack, index: int) -> None:

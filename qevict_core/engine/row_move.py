@@ -2,13 +2,14 @@
 its decision (``decide_rows``) for one layer or for every layer of a forward at once.
 
 The decision (``routing.route_windows``) ranks the candidates - the quantized tier, the full tier and the windows
-aging out of the recent region - and moves are gathers from the step's attended keys: promotion copies the already
-dequantized window (or, where the step read the low-bit tier in place, dequantizes the windows each row promotes),
-demotion reuses the window's dormant ledger record when it has one and quantizes it (once, ever) when it does not.
-The records the new quantized tier needs and has not got are quantized first and joined with
-``[quantized | dormant]`` in one copy, from which the quantized tier and the dormant ledger each take their windows
-with one selection, written into the layer's own storage (``keep_selected``, ``keep_moved``). A per-head
-cache's move of every head at once is head_move.py.
+aging out of the recent region - and moves are gathers from the keys the move is given: a row layer's own
+full-precision buffer (its event waits for the forward's end, cache.py), from which each row dequantizes the windows
+it promotes, or a per-head layer's workspace with its low-bit tier dequantized in front, from which promotion copies
+the window; demotion reuses the window's dormant ledger record when it has one and quantizes it (once, ever) when it
+does not. The records the new quantized tier needs and has not got are quantized first and joined with ``[quantized
+| dormant]`` in one copy, from which the quantized tier and the dormant ledger each take their windows with one
+selection, written into the layer's own storage (``keep_selected``, ``keep_moved``). A per-head cache's move of
+every head at once is head_move.py; every layer as rows of one move, layer_stack.py.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def decide_rows(layers: list) -> list[tuple[torch.Tensor, RoutingDecision]]:
 
 def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, cand_ids: torch.Tensor,
               decision: RoutingDecision) -> None:
-    """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier
-    when the step read it in place (then each row dequantizes only the windows it promotes); ``decision``
-    over ``cand_ids`` (``decide_rows``)."""
+    """``keys``/``values`` in the order [quantized | sinks | full | recent], or without the quantized tier (the
+    layer's own buffer: then each row dequantizes only the windows it promotes); ``decision`` over ``cand_ids``
+    (``decide_rows``)."""
     owner, grid, omega = layer.owner, layer.grid, layer.grid.omega
     n_quant, n_full = layer.quant.num_windows, layer.full_ids.shape[1]
     aged_ids = cand_ids[:, n_quant + n_full:]
@@ -125,9 +126,9 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, cand_ids: torch.T
 
 
 def _promoted(layer, full_k: torch.Tensor, full_v: torch.Tensor, decision, n_quant: int):
-    """The new full tier (B, H, K_f·Ω, D) with the windows each row promotes dequantized (the step read the
-    low-bit tier in place, so only they need full precision): every row dequantizes its own K_f slots, the
-    promoted ones taken (a bound the host knows; with sizing on the host, nothing when no row promotes)."""
+    """The new full tier (B, H, K_f·Ω, D) with the windows each row promotes dequantized (the keys held no
+    low-bit tier, so only they need full precision): every row dequantizes its own K_f slots, the promoted ones
+    taken (a bound the host knows; with sizing on the host, nothing when no row promotes)."""
     promoted = decision.full < n_quant  # (B, K_f)
     if not promoted.shape[1] or layer.owner.backend.sizes_moves_on_host and not bool(promoted.any()):
         return full_k, full_v
