@@ -40,8 +40,8 @@ def test_assembled_tiers_equal_the_reference_bit_for_bit(dtype, scale_dtype, bit
             for layer in cache.layers:
                 positions = cache.grid.positions(layer.quant.ids)
                 cache.begin_forward(0)  # a fresh table, as a forward would build it
-                cos, sin = cache.rope_rows(layer.sink_k, positions)
-                fast = assemble(layer.quant, *layer_parts(layer), cos, sin, dtype=dtype)
+                cos, signed_sin = cache.tier_rope(layer.sink_k, layer.quant.ids)
+                fast = assemble(layer.quant, *layer_parts(layer), cos, signed_sin, dtype=dtype)
                 slow = assemble_reference(layer.quant, *layer_parts(layer), cache.rope, positions, dtype)
                 assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
                 checked += layer.quant.num_windows > 0

@@ -6,10 +6,11 @@ large share of the PyTorch path's step: ``>>`` and ``&`` to unpack codes, ``cos`
 position in every layer, ``mul``/``add``/``neg``/``cat`` to rescale and rotate, and a ``cat`` of all tiers. ``assemble`` does the same arithmetic in fewer passes:
 
 - codes are unpacked by one table lookup per byte (``quant.dequantize_packed``);
-- cos/sin come from rows of a table the cache builds once per forward for all layers (``QEvictCache.rope_rows``),
-  the same numbers the rotary module gives position by position;
-- keys are rotated straight into one workspace, half by half (no ``rotate_half`` temporaries), values rescaled
-  into it, and the small full-precision tiers copied after them: no concatenation of the whole cache.
+- cos/sin come from a table the cache builds once per forward for all layers, looked up by window id
+  (``QEvictCache.tier_rope``): the same numbers the rotary module gives position by position, and no positions;
+- keys are rotated straight into one workspace with rotate_half's sign in the table (four passes, no
+  ``rotate_half`` copy), values rescaled into it, and the small full-precision tiers copied after them: no
+  concatenation of the whole cache.
 
 The result is bit-identical to ``assemble_reference``, the path it replaced (tests compare the two), so
 generation yields the same tokens. The workspace is transient and counted in ``peak_bytes``.
@@ -25,12 +26,13 @@ from .rope import Rope
 
 
 def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],
-             cos: torch.Tensor, sin: torch.Tensor, capacity: int = 0,
+             cos: torch.Tensor, signed_sin: torch.Tensor, capacity: int = 0,
              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ledger: the quantized tier (pre-RoPE keys); fp_*: full-precision tiers (B, H, n_i, D) in order; cos, sin
-    (B, 1, n*Ω, D): rows for the tier's positions. -> keys, values (B, H, N, D) in ``dtype`` (default the
-    full-precision tiers': a cache passes the dtype attention computes in, so a 16-bit cache beside a float32 model
-    dequantizes in float32, as the kernels do, and widens its 16-bit tiers once).
+    """ledger: the quantized tier (pre-RoPE keys); fp_*: full-precision tiers (B, H, n_i, D) in order; cos,
+    signed_sin (B, 1, n*Ω, D): rows for the tier's positions, the sine's first half negated (``tier_rope``).
+    -> keys, values (B, H, N, D) in ``dtype`` (default the full-precision tiers': a cache passes the dtype attention
+    computes in, so a 16-bit cache beside a float32 model dequantizes in float32, as the kernels do, and widens its
+    16-bit tiers once).
 
     ``capacity``: allocate room for that many tokens and return views of the first N. A caller whose N grows
     from call to call (a prompt read in chunks) then asks the allocator for the same size every time, which it
@@ -44,7 +46,7 @@ def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[
     by_window = ledger.k_codes.reshape(b, h, ledger.num_windows, ledger.omega, -1)  # (B, H, n, Ω, D/c)
     quant_keys = dequantize_packed(by_window, ledger.bits, ledger.k_scale.unsqueeze(3), ledger.k_zero.unsqueeze(3),
                                    dtype=keys.dtype)
-    _rotate_into(keys[:, :, :nq], quant_keys.reshape(b, h, nq, d), cos, sin)
+    _rotate_into(keys[:, :, :nq], quant_keys.reshape(b, h, nq, d), cos, signed_sin)
     dequantize_packed(ledger.v_codes, ledger.bits, ledger.v_scale, ledger.v_zero, out=values[:, :, :nq])
     start = nq
     for k, v in zip(fp_keys, fp_values):
@@ -54,16 +56,16 @@ def assemble(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[
     return keys, values
 
 
-def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """out = x * cos + rotate_half(x) * sin, computed per half: [x1·c − x2·s, x2·c + x1·s]. Each element sees
-    the same two products and one sum as in :meth:`Rope.rotate`, so the result is bit-identical."""
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """out = x * cos + rotate_half(x) * sin, with rotate_half's sign in ``signed_sin`` = [−s₁ | s₂]: per half,
+    [x₁·c₁ + x₂·(−s₁) | x₂·c₂ + x₁·s₂]. x₂·(−s₁) is −(x₂·s₁) exactly and a + (−b) is a − b, so every element is
+    what :meth:`Rope.rotate` computes, bit for bit."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    first, second = out[..., :half], out[..., half:]
-    torch.mul(x1, cos[..., :half], out=first)
-    first.sub_(x2 * sin[..., :half])
-    torch.mul(x2, cos[..., half:], out=second)
-    second.add_(x1 * sin[..., half:])
+    torch.mul(x, cos, out=out)
+    turned = torch.empty_like(x)  # rotate_half(x) * sin: x's halves multiplied crosswise, no rotated copy of x
+    torch.mul(x[..., half:], signed_sin[..., :half], out=turned[..., :half])
+    torch.mul(x[..., :half], signed_sin[..., half:], out=turned[..., half:])
+    out.add_(turned)
 
 
 def assemble_reference(ledger: WindowLedger, fp_keys: list[torch.Tensor], fp_values: list[torch.Tensor],

@@ -63,6 +63,7 @@ class QEvictCache(ReportingCache):
         self._unfit: torch.Tensor | None = None
         self._unfit_unread = False
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._signed_sin: torch.Tensor | None = None  # the table's sine, first half negated (tier_rope)
         self._deferred: list = []  # the layers whose routing event this forward has reached, moved at its end
         self._stack: StackedLayer | None = None  # every layer's tiers as rows of one storage (layer_stack.py)
         layers = [self.make_layer(i, shape) for i in range(shape.num_layers)]
@@ -79,7 +80,7 @@ class QEvictCache(ReportingCache):
     def begin_forward(self, num_tokens: int) -> None:
         self.move_deferred()
         self.schedule.begin_forward(num_tokens, hold=self.staging)
-        self._rope_table = None
+        self._rope_table = self._signed_sin = None
 
     def note_unfit(self, windows: torch.Tensor) -> None:
         """Windows (bool, on the device) quantized at this routing event whose scales or zero-points their dtype
@@ -142,7 +143,7 @@ class QEvictCache(ReportingCache):
             if StackedLayer.can_hold(self.layers):
                 self.note_workspace(sum(t.nbytes for x in self.layers for t in row_tensors(x) if t is not None))
                 self._stack = StackedLayer(self.layers)
-        self._rope_table = None  # transient: nothing of it persists to the next step
+        self._rope_table = self._signed_sin = None  # transient: nothing of it persists to the next step
 
     def move_deferred(self) -> None:
         """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack when
@@ -180,6 +181,23 @@ class QEvictCache(ReportingCache):
         flat = positions.reshape(-1)
         return (cos.index_select(0, flat).view(b, 1, n, -1), sin.index_select(0, flat).view(b, 1, n, -1))
 
+    def tier_rope(self, like: torch.Tensor, window_ids: torch.Tensor,
+                  grid: WindowGrid | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sine (B, 1, n·Ω, D) at the positions of the windows ``window_ids`` (B, n) of ``grid``
+        (default the cache's), as ``assemble`` rotates a low-bit tier: one lookup per table from the ids as stored,
+        in a view of :meth:`rope_table` by window (no positions built; every such window is whole, so the table's
+        whole windows hold it). The signed sine is the sine with its first half negated: rotate_half's sign, built
+        once per forward for every layer, so the rotation needs no subtraction of its own."""
+        grid = grid or self.grid
+        cos, sin = self.rope_table(like)
+        if self._signed_sin is None:
+            self._signed_sin = torch.cat([-sin[:, :sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=1)
+        whole = grid.whole(cos.shape[0])
+        b, n = window_ids.shape
+        flat = window_ids.reshape(-1)
+        return tuple(t[grid.sinks:grid.start(whole)].view(whole, grid.omega, -1)  # (windows, Ω, D)
+                     .index_select(0, flat).view(b, 1, n * grid.omega, -1) for t in (cos, self._signed_sin))
+
     def cos_sin(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, N, D) for ``positions`` (B, N): rows of this forward's table when a layer already built
         it (decode on the CPU), else from the rotary module (the same numbers; no table of every position)."""
@@ -193,7 +211,7 @@ class QEvictCache(ReportingCache):
         return like if like.dtype == self.compute_dtype else like.new_empty(0, dtype=self.compute_dtype)
 
     def note_workspace(self, nbytes: int) -> None:
-        table = sum(t.nbytes for t in self._rope_table) if self._rope_table is not None else 0
+        table = sum(t.nbytes for t in (*(self._rope_table or ()), self._signed_sin) if t is not None)
         super().note_workspace(nbytes + table)
 
     def count_moves(self, decision, n_quant: int, n_full: int) -> None:

@@ -96,8 +96,8 @@ def move_heads(layer, keys: torch.Tensor, values: torch.Tensor, cands: list[torc
     source_k, source_v = ws_keys, ws_values
     if n_promoted:
         windows = joined.select(f_rec[promoted].unsqueeze(0))
-        cos, sin = owner.rope_rows(ws_keys, grid.positions(windows.ids))
-        source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, sin, dtype=owner.compute_dtype)
+        cos, signed_sin = owner.tier_rope(ws_keys, windows.ids)
+        source_k, source_v = assemble(windows, [ws_keys], [ws_values], cos, signed_sin, dtype=owner.compute_dtype)
         owner.note_workspace(source_k.nbytes + source_v.nbytes)
         f_start = torch.where(promoted, (promoted.cumsum(0) - 1) * omega, f_start + n_promoted * omega)
     tok = _tokens(f_start, omega)

@@ -119,8 +119,8 @@ class PromptStage:
         ``assemble``, the PyTorch decode path's rebuild."""
         if self.count:
             blocks = self.blocks
-            cos, sin = layer.owner.rope_rows(keys[0], self.grid.positions(blocks.ids))
-            return assemble(blocks, keys, values, cos, sin, capacity=self.capacity, dtype=dtype)
+            cos, signed_sin = layer.owner.tier_rope(keys[0], blocks.ids, self.grid)
+            return assemble(blocks, keys, values, cos, signed_sin, capacity=self.capacity, dtype=dtype)
         total = sum(k.shape[2] for k in keys)
         b, h, _, d = keys[0].shape
         return tuple(torch.cat(parts, dim=2, out=parts[0].new_empty(b, h, self.capacity, d, dtype=dtype)[:, :, :total])

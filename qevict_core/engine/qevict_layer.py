@@ -175,8 +175,8 @@ class QEvictLayer(ReportingLayer):
                         windows: WindowLedger | None = None):
         """[dequantized, re-rotated ``windows`` (default: the whole quantized tier) | *keys]: a transient workspace."""
         windows = self.quant if windows is None else windows
-        cos, sin = self.owner.rope_rows(self.sink_k, self.grid.positions(windows.ids))
-        keys, values = assemble(windows, keys, values, cos, sin, dtype=self.owner.compute_dtype)
+        cos, signed_sin = self.owner.tier_rope(self.sink_k, windows.ids)
+        keys, values = assemble(windows, keys, values, cos, signed_sin, dtype=self.owner.compute_dtype)
         self.owner.note_workspace(keys.nbytes + values.nbytes)
         return keys, values
 

@@ -122,9 +122,17 @@ def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero
     stored narrower are widened by the arithmetic's type promotion, exactly)."""
     dtype = out.dtype if out is not None else dtype or scale.dtype
     table = _code_table(bits, dtype, packed.device)
+    per_byte = table.shape[1]
     flat = table.index_select(0, packed.reshape(-1).to(torch.int32))  # (numel, 8 // bits)
-    codes = planes_to_row(flat.reshape(*packed.shape, table.shape[1]))
-    # Not addcmul: it fuses the multiply-add (one rounding), which is not what ``dequantize`` computes.
+    planes = flat.view(*packed.shape, per_byte).transpose(-1, -2)  # (..., 8 // bits, P): plane p, channels p·P..
     if out is None:
-        return codes.mul_(scale).add_(zero)
-    return torch.mul(codes, scale, out=out).add_(zero)
+        out = flat.new_empty(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    # The codes are read plane by plane and the product written in channel order: no pass that only reorders them.
+    # Not addcmul: it fuses the multiply-add (one rounding), which is not what ``dequantize`` computes.
+    torch.mul(planes, _by_plane(scale, per_byte), out=out.unflatten(-1, (per_byte, -1)))
+    return out.add_(zero)
+
+
+def _by_plane(x: torch.Tensor, per_byte: int) -> torch.Tensor:
+    """A scale or zero-point (..., D) per channel, or (..., 1) per token, as a view that broadcasts by plane."""
+    return x.unsqueeze(-1) if x.shape[-1] == 1 else x.unflatten(-1, (per_byte, -1))
