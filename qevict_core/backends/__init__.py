@@ -62,8 +62,7 @@ class CPUBackend(Backend):
     def decode_step(self, layer, query, key, value, scaling, scored):
         from . import cpu_path
 
-        out, mass = cpu_path.attend(layer, query, key, value, scaling)
-        return out, mass if scored else None
+        return cpu_path.attend(layer, query, key, value, scaling, scored)
 
     def step_heads(self, layer, query, scaling):
         from . import cpu_heads

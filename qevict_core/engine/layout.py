@@ -19,9 +19,18 @@ def window_token_index(window_idx: torch.Tensor, omega: int) -> torch.Tensor:
 def gather_seq(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X), into ``out`` when
     given."""
-    b, h, _, width = x.shape
+    b, h, t, width = x.shape
     if b == 1:  # one row: index_select copies whole rows (4x faster than an elementwise gather on the CPU)
         return torch.index_select(x, 2, index[0].long(), out=out)
+    if x.device.type == "cpu" and x.is_contiguous() and (out is None or out.is_contiguous()):
+        # Several rows (a batch, or every layer's rows at a stacked routing event, layer_stack.py): the same whole-row
+        # copies over (B·H·T, X), by one flat index (about 8x faster on the CPU for 30 rows of SmolLM2's tiers). A
+        # GPU takes the elementwise gather: one kernel, where this would add three to build the index.
+        m = index.shape[1]
+        first = torch.arange(b * h, device=x.device).view(b, h, 1) * t  # (B, H, 1): row (b, h)'s first slot
+        flat = (first + index.long().view(b, 1, m)).view(-1)  # (B·H·M,)
+        rows = torch.index_select(x.view(b * h * t, width), 0, flat, out=None if out is None else out.view(-1, width))
+        return rows.view(b, h, m, width) if out is None else out
     return torch.gather(x, 2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width), out=out)
 
 
