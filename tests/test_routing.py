@@ -209,8 +209,8 @@ def test_one_decision_for_every_layer_equals_each_layers_own(scorer, pool):
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("into", [False, True])
 def test_a_per_row_gather_equals_torch_gather_on_every_path(rows, into):
-    """gather_seq's paths (one row, several rows on the CPU by a flat index, a strided input by torch.gather) give
-    the elementwise gather's result, into ``out`` too."""
+    """gather_seq's paths (one row, several rows by a flat index, a strided input or ``flat=False`` by
+    torch.gather) give the elementwise gather's result, into ``out`` too."""
     from qevict_core.engine.layout import gather_seq
 
     generator = torch.Generator().manual_seed(rows)
@@ -218,8 +218,9 @@ def test_a_per_row_gather_equals_torch_gather_on_every_path(rows, into):
     index = torch.stack([torch.randperm(97, generator=generator)[:41] for _ in range(rows)]).to(torch.int32)
     expected = torch.gather(x, 2, index.long()[:, None, :, None].expand(rows, 3, 41, 5))
     for source in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):  # contiguous, then strided
-        out = torch.zeros_like(expected) if into else None
-        got = gather_seq(source, index, out=out)
-        assert torch.equal(got, expected)
-        if into:
-            assert got.data_ptr() == out.data_ptr()
+        for flat in (False, True):
+            out = torch.zeros_like(expected) if into else None
+            got = gather_seq(source, index, out=out, flat=flat)
+            assert torch.equal(got, expected)
+            if into:
+                assert got.data_ptr() == out.data_ptr()

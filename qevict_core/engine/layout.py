@@ -16,16 +16,16 @@ def window_token_index(window_idx: torch.Tensor, omega: int) -> torch.Tensor:
     return (window_idx.unsqueeze(-1) * omega + offsets).flatten(-2)
 
 
-def gather_seq(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_seq(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None,
+               flat: bool = False) -> torch.Tensor:
     """Per-row gather along the sequence axis: x (B, H, T, X), index (B, M) -> (B, H, M, X), into ``out`` when
-    given."""
+    given; ``flat``: several rows by one flat index (``Backend.gathers_by_flat_index``)."""
     b, h, t, width = x.shape
     if b == 1:  # one row: index_select copies whole rows (4x faster than an elementwise gather on the CPU)
         return torch.index_select(x, 2, index[0].long(), out=out)
-    if x.device.type == "cpu" and x.is_contiguous() and (out is None or out.is_contiguous()):
+    if flat and x.is_contiguous() and (out is None or out.is_contiguous()):
         # Several rows (a batch, or every layer's rows at a stacked routing event, layer_stack.py): the same whole-row
-        # copies over (B·H·T, X), by one flat index (about 8x faster on the CPU for 30 rows of SmolLM2's tiers). A
-        # GPU takes the elementwise gather: one kernel, where this would add three to build the index.
+        # copies over (B·H·T, X), by one flat index (about 8x faster on the CPU for 30 rows of SmolLM2's tiers).
         m = index.shape[1]
         first = torch.arange(b * h, device=x.device).view(b, h, 1) * t  # (B, H, 1): row (b, h)'s first slot
         flat = (first + index.long().view(b, 1, m)).view(-1)  # (B·H·M,)

@@ -129,16 +129,16 @@ class WindowLedger:
                           self.k_zero.unsqueeze(3), dtype).reshape(b, h, t, d)
         return keys, dequantize(unpack(self.v_codes, self.bits), self.v_scale, self.v_zero, dtype)
 
-    def select(self, window_idx: torch.Tensor, into: WindowLedger | None = None) -> WindowLedger:
+    def select(self, window_idx: torch.Tensor, into: WindowLedger | None = None, flat: bool = False) -> WindowLedger:
         """Per-row selection of windows by slot: window_idx (B, m) -> a ledger of m windows, written into ``into``'s
         storage when it holds m windows and shares none with this ledger (a routing event that keeps a tier's size:
-        one copy, its addresses kept), else into new storage."""
+        one copy, its addresses kept), else into new storage. ``flat``: ``gather_seq``'s."""
         if into is not None and not self._can_write(into, window_idx.shape[1]):
-            return into.overwrite(self.select(window_idx))
+            return into.overwrite(self.select(window_idx, flat=flat))
         picked = {"ids": torch.gather(self.ids, 1, window_idx.long(), out=None if into is None else into.ids)}
         for name in _SEQ_FIELDS:
-            rows = gather_seq(self._by_window(name), window_idx,
-                              out=None if into is None else into._by_window(name))  # (B, H, m, Ω·X): a row a window
+            rows = gather_seq(self._by_window(name), window_idx, out=None if into is None else into._by_window(name),
+                              flat=flat)  # (B, H, m, Ω·X): a row a window
             picked[name] = rows.reshape(*rows.shape[:2], -1, getattr(self, name).shape[3])
         return into if into is not None else WindowLedger(**picked, omega=self.omega, bits=self.bits)
 

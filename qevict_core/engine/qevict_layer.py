@@ -121,8 +121,8 @@ class QEvictLayer(ReportingLayer):
                       dormant_valid: torch.Tensor) -> None:
         """A row move's low-bit tier and dormant ledger, picked by slot from ``records``: straight into the storage
         they had when they keep their sizes (every event once the tiers are full), one copy each."""
-        self.quant = records.select(quant_idx, into=self.quant)
-        self.dormant = None if self.dormant is None else records.select(dormant_idx, into=self.dormant)
+        self.quant = records.select(quant_idx, self.quant, flat := self.owner.backend.gathers_by_flat_index)
+        self.dormant = None if self.dormant is None else records.select(dormant_idx, self.dormant, flat)
         self.dormant_valid = _overwrite(self.dormant_valid, dormant_valid)
 
     def keep_tables(self, scores: torch.Tensor, interval: torch.Tensor | None) -> None:

@@ -80,7 +80,8 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, cand_ids: torch.T
 
     full_tok = _token_index(starts, decision.full, omega)
     stored = owner.shape.dtype  # ``keys`` may be attention's workspace, in the model's dtype
-    full_k, full_v = gather_seq(keys, full_tok), gather_seq(values, full_tok)
+    flat = owner.backend.gathers_by_flat_index
+    full_k, full_v = gather_seq(keys, full_tok, flat=flat), gather_seq(values, full_tok, flat=flat)
     if not tier_in_keys and n_quant:
         full_k, full_v = _promoted(layer, full_k, full_v, decision, n_quant)
 
@@ -100,9 +101,9 @@ def move_rows(layer, keys: torch.Tensor, values: torch.Tensor, cand_ids: torch.T
         chosen, needed = decision.quant.gather(1, slots), need.gather(1, slots)
         tok = _token_index(starts, chosen, omega)
         positions = grid.positions(cand_ids.gather(1, chosen))
-        pre_rope = unrotate(gather_seq(keys, tok), *owner.cos_sin(keys, positions))
+        pre_rope = unrotate(gather_seq(keys, tok, flat=flat), *owner.cos_sin(keys, positions))
         on_host = owner.backend.sizes_moves_on_host  # else the scales' check is read back later
-        fresh, unfit = WindowLedger.quantize_on(owner.backend, pre_rope, gather_seq(values, tok),
+        fresh, unfit = WindowLedger.quantize_on(owner.backend, pre_rope, gather_seq(values, tok, flat=flat),
                                                 cand_ids.gather(1, chosen), omega, owner.config.bits,
                                                 owner.config.param_dtype(stored), check=on_host)
         if not on_host:
@@ -133,7 +134,7 @@ def _promoted(layer, full_k: torch.Tensor, full_v: torch.Tensor, decision, n_qua
     if not promoted.shape[1] or layer.owner.backend.sizes_moves_on_host and not bool(promoted.any()):
         return full_k, full_v
     b, h, _, d = full_k.shape
-    windows = layer.quant.select(decision.full.clamp(max=n_quant - 1))
+    windows = layer.quant.select(decision.full.clamp(max=n_quant - 1), flat=layer.owner.backend.gathers_by_flat_index)
     none = full_k[:, :, :0]
     deq_k, deq_v = layer.with_quantized([none], [none], windows)  # (B, H, K_f·Ω, D)
     mask = promoted[:, None, :, None, None]  # (B, 1, K_f, 1, 1): by window
