@@ -21,7 +21,7 @@ def attend(layer, query: torch.Tensor, fp_keys: torch.Tensor, fp_values: torch.T
            scaling: float, scored: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """query (B, Hq, L, D); fp_keys/values (B, Hkv, n, D) [sinks | full | recent], whose last L keys are the
     queries' own tokens. -> out (B, L, Hq, D) in the query dtype, mass (B, Hkv, N) float32 over the keys
-    [quantized | sinks | full | recent]."""
+    [quantized | sinks | full | recent], or None: not ``scored``, or a decode step, which folds its mass itself."""
     b, hq, lq, d = query.shape
     hkv = fp_keys.shape[1]
     rows = query.float().reshape(b, hkv, hq // hkv * lq, d)  # (B, Hkv, G*L, D): head h reads KV head h // G

@@ -28,8 +28,8 @@ def gather_seq(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = 
         # copies over (B·H·T, X), by one flat index (about 8x faster on the CPU for 30 rows of SmolLM2's tiers).
         m = index.shape[1]
         first = torch.arange(b * h, device=x.device).view(b, h, 1) * t  # (B, H, 1): row (b, h)'s first slot
-        flat = (first + index.long().view(b, 1, m)).view(-1)  # (B·H·M,)
-        rows = torch.index_select(x.view(b * h * t, width), 0, flat, out=None if out is None else out.view(-1, width))
+        at = (first + index.long().view(b, 1, m)).view(-1)  # (B·H·M,)
+        rows = torch.index_select(x.view(b * h * t, width), 0, at, out=None if out is None else out.view(-1, width))
         return rows.view(b, h, m, width) if out is None else out
     return torch.gather(x, 2, index.long()[:, None, :, None].expand(b, h, index.shape[1], width), out=out)
 
