@@ -224,3 +224,66 @@ def test_a_per_row_gather_equals_torch_gather_on_every_path(rows, into):
             assert torch.equal(got, expected)
             if into:
                 assert got.data_ptr() == out.data_ptr()
+
+
+def test_a_move_sized_by_the_host_equals_one_sized_by_bounds():
+    """move.py sizes its work on the host where the backend does (a CPU: only as many windows per row as some row
+    promotes or quantizes) and by bounds the host knows elsewhere (every slot that may need it: a CUDA graph can
+    capture that): the same new tiers, bit for bit, on rows that promote and quantize different numbers of windows."""
+    from qevict_core.backends import TorchBackend
+    from qevict_core.engine.move import move
+    from qevict_core.engine.routing import RoutingDecision
+    from qevict_core.engine.row_move import row_candidates
+
+    class OnHost(TorchBackend):
+        sizes_moves_on_host = True
+
+    model = tiny_model("llama", 2)
+    config = QEvictConfig(budget=0.5, omega=8, coverage=None, kernels="torch")
+    cache = make_cache("qevict", model, config, max_length=400, batch_size=2)
+    with torch.inference_mode():
+        token = model(torch.cat([random_prompt(300, seed=1), random_prompt(300, seed=2)]),
+                      **{KV: cache}).logits[:, -1:].argmax(-1)
+        while not cache.routes_at(1):  # to the step before the next event, whose candidates include aged windows
+            token = model(token, **{KV: cache}).logits[:, -1:].argmax(-1)
+        layer = cache.layers[0]
+        n_quant, n_full = layer.quant.num_windows, layer.full_ids.shape[1]
+        assert n_quant >= 3 and n_full >= 3 and layer.dormant is not None
+        keys, values = layer.own_keys()
+        cand = layer.candidates()
+        q, f = n_quant, n_quant + n_full  # the first full candidate, the first aged one
+        # row 0 promotes two of its three full slots and quantizes one window anew; row 1 promotes one, quantizes two;
+        # the promoted slots are not the first ones
+        decision = RoutingDecision(torch.tensor([[q, 0, 2], [q, 1, q + 1]]),
+                                   torch.tensor([[1, 3, q + 1], [0, q + 2, f]]), cand.shape[1])
+        cands = row_candidates(layer, keys, cand)
+        moved = {}
+        for backend in (OnHost(), TorchBackend()):
+            cache.backend = backend
+            moved[backend.sizes_moves_on_host] = move(cache, keys, values, cands, decision)
+    host, bound = moved[True], moved[False]
+    assert torch.equal(host.full_k, bound.full_k) and torch.equal(host.full_v, bound.full_v)
+    assert torch.equal(host.full_ids, bound.full_ids) and torch.equal(host.dormant_valid, bound.dormant_valid)
+    assert host.records.num_windows < bound.records.num_windows  # the bound quantized windows no row needed
+    assert _windows(host.records.select(host.quant)) == _windows(bound.records.select(bound.quant))
+    valid = host.dormant_valid.tolist()  # the promoted windows' records; the other dormant slots are never read
+    assert [sum(row) for row in valid] == [2, 1]
+    assert ([w for w, keep in zip(_windows(host.records.select(host.dormant)), sum(valid, [])) if keep]
+            == [w for w, keep in zip(_windows(bound.records.select(bound.dormant)), sum(valid, [])) if keep])
+    # each row's second full slot is a promoted window: its record dequantized and rotated back to its positions
+    second = layer.quant.select(torch.tensor([[0], [1]]))
+    rotated = cache.rope.rotate(second.dequantize(cache.compute_dtype)[0], cache.grid.positions(second.ids))
+    assert torch.equal(host.full_k[:, :, 8:16], rotated.to(host.full_k.dtype))
+
+
+def _windows(ledger) -> list[tuple]:
+    """Each window of each row of ``ledger``, row-major: its id and the bytes of every field it holds."""
+    omega, out = ledger.omega, []
+    for r in range(ledger.ids.shape[0]):
+        for j in range(ledger.num_windows):
+            tokens = slice(j * omega, (j + 1) * omega)
+            fields = (ledger.k_codes[r, :, tokens], ledger.v_codes[r, :, tokens], ledger.k_scale[r, :, j],
+                      ledger.k_zero[r, :, j], ledger.v_scale[r, :, tokens], ledger.v_zero[r, :, tokens])
+            out.append((int(ledger.ids[r, j]), *(field.contiguous().view(torch.uint8).numpy().tobytes()
+                                                 for field in fields)))
+    return out
