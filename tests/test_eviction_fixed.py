@@ -1,5 +1,6 @@
-"""Prefill-only eviction baselines in fixed buffers (qevict_core/baselines/eviction_fixed.py): what a GPU runs, so
-that a CUDA graph replays their decode steps. Checked here on the CPU, the layout forced."""
+"""Eviction baselines in fixed buffers: the prefill-only ones (qevict_core/baselines/eviction_fixed.py) and H2O,
+evicting in place (eviction_heavy.py): what a GPU runs, so that a CUDA graph replays their decode steps. Checked
+here on the CPU, the layout forced."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ def _cache(model, method: str, fixed: bool, budget: float = 0.3, batch: int = 1)
                          fixed_buffers=fixed)
 
 
-def _decode(model, cache, tokens: list[int]) -> None:
-    """The prompt, then ``tokens`` one per forward (the same tokens whatever the cache keeps)."""
+def _decode(model, cache, tokens: list[int], more: list[int] = ()) -> None:
+    """The prompt, then ``tokens`` one per forward (the same tokens whatever the cache keeps); with ``more``, only
+    those, after what the cache already read."""
     with torch.inference_mode():
-        call(model, random_prompt(PROMPT), cache, logits_to_keep=1)
-        for token in tokens:
+        if not more:
+            call(model, random_prompt(PROMPT), cache, logits_to_keep=1)
+        for token in tokens or more:
             position = torch.tensor([cache.get_seq_length()])
             call(model, torch.tensor([[token]]), cache, logits_to_keep=1, cache_position=position,
                  position_ids=position[None])
@@ -58,6 +61,32 @@ def test_the_buffer_holds_the_sinks_and_the_newest_tokens_once_it_rolls():
     assert report["components"]["index"] == len(cache.layers) * 8  # the device counters, paid from the budget
 
 
+def test_h2o_in_place_keeps_the_lists_tokens_while_it_evicts():
+    """H2O in fixed buffers (eviction_heavy.py), decoded for 90 steps past its limit, each step evicting: layer 0
+    (whose keys and queries depend on the tokens and their positions only) holds exactly the tokens the chronological
+    lists hold, per head, with the same evictions and within the budget; the buffer and the scores were written in
+    place at every step."""
+    model = tiny_model("llama", 2)
+    cache, lists = _cache(model, "h2o", True), _cache(model, "h2o", False)
+    tokens = random_prompt(90, seed=3)[0].tolist()
+    _decode(model, cache, tokens[:1])
+    addresses = [t.data_ptr() for t in cache.layers[0].buffers()]
+    _decode(model, cache, [], more=tokens[1:])
+    _decode(model, lists, tokens)
+    fixed, chronological = cache.layers[0], lists.layers[0]
+    limit = fixed.key_buffer.shape[2]
+    assert PROMPT > limit and fixed.written == limit + len(tokens)  # full from the prompt on: every step evicts
+    assert [t.data_ptr() for t in fixed.buffers()] == addresses
+    for h in range(fixed.key_buffer.shape[1]):  # the same rows (the slots in their own order), the same scores
+        scored = dict(zip(map(tuple, fixed.key_buffer[0, h].tolist()), fixed.acc_buffer[0, h].tolist()))
+        expected = dict(zip(map(tuple, chronological.keys[h][0].tolist()), chronological.acc[h][0].tolist()))
+        assert len(scored) == limit and scored.keys() == expected.keys()
+        assert all(abs(scored[key] - score) <= 1e-5 * score for key, score in expected.items())  # summed apart
+    assert cache.summary() == lists.summary() and cache.summary()["evictions"] > 0
+    report = cache.memory_report()
+    assert report["total_bytes"] <= cache.budget_bytes and report["components"]["scores"] > 0
+
+
 def test_it_reads_what_the_lists_read_until_a_token_leaves():
     """SnapKV: the prompt's selection moves into the buffers as it is, and greedy decoding gives the lists' tokens
     while the buffer fills (the two differ by the token that leaves once it is full: eviction_fixed.py)."""
@@ -76,7 +105,8 @@ def test_it_reads_what_the_lists_read_until_a_token_leaves():
     assert eager_fixed[0] == eager_lists[0]
 
 
-@pytest.mark.parametrize("method, batch", [("streamingllm", 1), ("snapkv", 1), ("criticalkv", 1), ("snapkv", 2)])
+@pytest.mark.parametrize("method, batch", [("streamingllm", 1), ("snapkv", 1), ("criticalkv", 1), ("snapkv", 2),
+                                           ("h2o", 1), ("h2o", 2)])
 def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rolling(method, batch):
     model = tiny_model("llama", 2)
     steps = 60  # past the limit: the ring rolls
@@ -87,15 +117,17 @@ def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rollin
     assert graphed[3].replays["plain"] >= steps - 3
 
 
-def test_every_decode_step_is_one_call_asking_the_host_nothing():
-    """Steps while the buffer fills and after it rolls: the same operators, shapes and arguments, none that waits
-    for the device (what a CUDA capture refuses)."""
+@pytest.mark.parametrize("method, prompt", [("snapkv", PROMPT), ("h2o", 40)])
+def test_every_decode_step_is_one_call_asking_the_host_nothing(method, prompt):
+    """Steps while the buffer fills and after it rolls (or evicts): the same operators, shapes and arguments, none
+    that waits for the device (what a CUDA capture refuses)."""
     model = tiny_model("llama", 2)
-    cache = _cache(model, "snapkv", True)
+    cache = _cache(model, method, True)
     calls = []
     with torch.inference_mode():
-        token = call(model, random_prompt(PROMPT), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = call(model, random_prompt(prompt), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         limit, written = cache.layers[0].key_buffer.shape[2], cache.layers[0].written
+        assert written < limit  # steps while it fills, then after
         for _ in range(limit - written + 5):
             position = torch.tensor([cache.get_seq_length()])
             mode = RecordCalls()
@@ -108,9 +140,10 @@ def test_every_decode_step_is_one_call_asking_the_host_nothing():
     assert not {name for call_ in calls[0] for name in [call_[0].rsplit(".", 1)[0]]} & REFUSED
 
 
-def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances():
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method):
     model = tiny_model("llama", 2)
-    twins = [_cache(model, "snapkv", True) for _ in range(2)]
+    twins = [_cache(model, method, True) for _ in range(2)]
     for cache in twins:
         _decode(model, cache, [7] * 40)  # the ring has rolled
     key, before = twins[0].replay_key(), _host_state(twins[0])
@@ -125,8 +158,8 @@ def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances():
 
 def test_a_policy_that_cannot_is_refused_and_the_cpu_keeps_the_lists():
     model = tiny_model("llama", 2)
-    with pytest.raises(ValueError, match="H2O cannot decode in fixed buffers: only a policy that selects once"):
-        _cache(model, "h2o", True)
+    with pytest.raises(ValueError, match="AdaKV cannot decode in fixed buffers: only a policy that keeps the same"):
+        _cache(model, "adakv", True)
     assert not _cache(model, "snapkv", None).replays_steps  # a CPU model: the chronological lists
     with pytest.raises(ValueError, match="cannot replay its decode steps"):
         GraphedSteps(model, _cache(model, "snapkv", None), graph_class=RecordedGraph)

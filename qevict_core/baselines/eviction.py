@@ -195,7 +195,8 @@ class EvictionLayer(ReportingLayer):
 
 
 class EvictionCache(ReportingCache):
-    """``fixed_buffers``: decode in fixed buffers (eviction_fixed.py), so that a CUDA graph can replay the steps;
+    """``fixed_buffers``: decode in fixed buffers (eviction_fixed.py, eviction_heavy.py), so that a CUDA graph can
+    replay the steps;
     None: on a GPU, where the policy can (``Policy.decodes_in_place``), and in chronological lists elsewhere."""
 
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int, policy: Policy, method: str,
@@ -204,8 +205,9 @@ class EvictionCache(ReportingCache):
             raise ValueError(f"{policy.label} keeps a different number of tokens per head and supports batch size 1 "
                              f"only (got {batch_size})")
         if fixed_buffers and not policy.decodes_in_place:
-            raise ValueError(f"{policy.label} cannot decode in fixed buffers: only a policy that selects once, after "
-                             "the prompt, the same count in every head can (StreamingLLM, SnapKV, CriticalKV)")
+            raise ValueError(f"{policy.label} cannot decode in fixed buffers: only a policy that keeps the same count "
+                             "in every head and selects once, after the prompt (StreamingLLM, SnapKV, CriticalKV), "
+                             "or evicts by accumulated attention (H2O) can")
         if fixed_buffers is None:
             fixed_buffers = policy.decodes_in_place and cache_base.lays_out_for_graphs(model)
         self.method = method
@@ -214,7 +216,9 @@ class EvictionCache(ReportingCache):
         self.plan = plan_eviction(shape, config, policy, max_length, COUNTER_BYTES if fixed_buffers else 0)
         self.evicted = 0
         layer_class = EvictionLayer
-        if fixed_buffers:
+        if fixed_buffers and policy.compress_at == "step":
+            from .eviction_heavy import HeavyEvictionLayer as layer_class
+        elif fixed_buffers:
             from .eviction_fixed import FixedEvictionLayer as layer_class
         layers = [layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)

@@ -1,6 +1,7 @@
 """A prefill-only eviction baseline laid out in fixed buffers, so that every decode step is one call (a CUDA graph
 can replay it): what ``EvictionCache`` builds on a GPU for a policy that keeps the same tokens in every head and
-compresses once, after the prompt (StreamingLLM, SnapKV, CriticalKV).
+compresses once, after the prompt (StreamingLLM, SnapKV, CriticalKV); H2O's, which evicts at every step, is
+eviction_heavy.py.
 
 The prompt runs as in the chronological layer (eviction.py): per-head lists, the policy's selection. Then every
 head's kept tokens move into one buffer (B, H, L, D), L the layer's limit (the selection, its tail and the decoding
@@ -68,11 +69,15 @@ class FixedEvictionLayer(EvictionLayer):
         self.value_buffer = self.values[0].new_zeros(b, len(self.values), limit, self.values[0].shape[2])
         self.key_buffer[:, :, :kept] = torch.stack(self.keys, dim=1)  # (B, H, n, D)
         self.value_buffer[:, :, :kept] = torch.stack(self.values, dim=1)
-        self.owner.note_workspace(self.key_buffer.nbytes + self.value_buffer.nbytes)  # beside the lists, briefly
+        self.owner.note_workspace(sum(t.nbytes for t in self.buffers()))  # beside the lists, briefly
         self.keys = self.values = None
         self.count.fill_(kept)
         self.written = kept
         self.owner.note_bytes(self.layer_idx)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a decode step reads and writes in place (built after the prompt)."""
+        return self.key_buffer, self.value_buffer
 
     def _advance(self, num_tokens: int) -> None:
         """The host's counters after ``num_tokens`` decoded tokens: each one past the limit evicted one."""

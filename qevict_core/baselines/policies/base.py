@@ -49,11 +49,20 @@ class Policy:
 
     window: int = 32  # observation window (prefill policies) or protected recent tokens (step policies)
 
+    # A step policy whose ``score`` is the accumulated attention itself (H2O): its cache can keep that score per
+    # slot and evict in place, one token per step (eviction_heavy.py)
+    evicts_by_accumulation: ClassVar[bool] = False
+
     @property
     def decodes_in_place(self) -> bool:
-        """Whether its cache can decode in fixed buffers (eviction_fixed.py): one selection after the prompt, the
-        same count in every head, nothing scored while decoding."""
-        return self.compress_at == "prefill" and self.scores_from != "all" and not self.ragged and not self.cross_layer
+        """Whether its cache can decode in fixed buffers, one call at every step: one selection after the prompt,
+        the same count in every head, nothing scored while decoding (eviction_fixed.py), or the same count in every
+        head evicted in place by accumulated attention (eviction_heavy.py)."""
+        if self.ragged or self.cross_layer:
+            return False
+        if self.compress_at == "step":
+            return self.evicts_by_accumulation
+        return self.scores_from != "all"
 
     @classmethod
     def from_config(cls, config) -> Policy:

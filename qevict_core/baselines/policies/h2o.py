@@ -16,6 +16,7 @@ class H2O(Policy):
     reference = "Zhang et al. NeurIPS 2023; FMInference/H2O H2OKVCache_LayerWise (heavy = recent = half)"
     compress_at = "step"
     scores_from = "all"
+    evicts_by_accumulation = True
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return inputs.accumulated
