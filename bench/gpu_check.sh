@@ -46,7 +46,7 @@ step smollm2 "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:s
   --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
   --batch 1 --new-tokens 64 --repeats 2 --out "$out/smollm2"
 step smollm2_graphs "${SMOL_S:-50}" "$py" -m bench.tpot --device cuda --model random:smollm2 --graphs \
-  --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 \
+  --methods fullkv_static,qevict@triton,qevict@torch,snapkv,h2o --baseline fullkv_static --budget 0.2 \
   --contexts 2048,4096 --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
 # 6. where a decode step of the fused path spends its time
 step profile "${PROFILE_S:-40}" "$py" -m bench.profile_decode --device cuda --model random:llama-8b \

@@ -192,7 +192,8 @@ def test_the_speed_benchmark_replays_every_method_it_graphs(monkeypatch):
 
 
 def test_interleaved_timing_replays_every_lane(monkeypatch):
-    """bench.tpot --graphs (qevict_core.timing.interleaved_steps) through the stand-in: each lane's steps replay."""
+    """bench.tpot --graphs (qevict_core.timing.interleaved_steps) through the stand-in: each lane's steps replay
+    (H2O's too, as gpu_check.sh's smollm2_graphs step runs it)."""
     from qevict_core import timing
 
     made = []
@@ -201,13 +202,16 @@ def test_interleaved_timing_replays_every_lane(monkeypatch):
         made.append(GraphedSteps(model, cache, RecordedGraph))
         return made[-1]
 
+    from qevict_core.engine import cache_base
+
     monkeypatch.setattr(timing, "GraphedSteps", stepper)
+    monkeypatch.setattr(cache_base, "lays_out_for_graphs", lambda model: True)  # H2O as a GPU lays it out
     model = tiny_model("llama", 2)
     config = QEvictConfig(budget=0.3, kernels="torch")
-    caches = {m: make_cache(m, model, config, max_length=340) for m in ("fullkv_static", "qevict")}
+    caches = {m: make_cache(m, model, config, max_length=340) for m in ("fullkv_static", "qevict", "h2o")}
     steps = timing.interleaved_steps(model, random_prompt(300), caches, 30, graphs=True)
-    assert {name: len(s) for name, s in steps.items()} == {"fullkv_static": 29, "qevict": 29}
-    assert len(made) == 2 and all(m.replays["plain"] >= 15 for m in made)
+    assert {name: len(s) for name, s in steps.items()} == {"fullkv_static": 29, "qevict": 29, "h2o": 29}
+    assert len(made) == 3 and all(m.replays["plain"] >= 15 for m in made)
 
 
 def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypatch):
@@ -276,10 +280,18 @@ def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypat
     monkeypatch.setattr(graphs, "require_graphs", gpu_check)
     assert same(texts(defaults), eager) and len(eager) == 4
     assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
+    made.clear()  # H2O as the baseline lane: in place on a GPU (eviction_heavy.py), so every lane replays still
+    with_h2o = (defaults[0], ("H2O", "h2o"), defaults[2])
+    monkeypatch.setattr(graphs, "require_graphs", real_check)
+    eager = texts(with_h2o)
+    monkeypatch.setattr(graphs, "require_graphs", gpu_check)
+    assert same(texts(with_h2o), eager) and len(eager) == 4
+    assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the stand-in runs above)")
-def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone(monkeypatch):
+@pytest.mark.parametrize("baseline", ["default", "h2o"])
+def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone(monkeypatch, baseline):
     """On CUDA, with real graphs: the studio's run gives each lane the tokens it gives decoding alone, eagerly."""
     from qevict_core import Sampling, generate_lanes
     from qevict_core.generation import generate
@@ -297,7 +309,8 @@ def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone
     model, tokenizer = tiny_chat_model().cuda(), tiny_tokenizer()
     config = {"kernels": "torch", "omega": 8, "budget": 0.3, "record_events": True}
     prompt = tuple(random_prompt(300)[0].tolist())
-    lanes = tuple((m, m) for m in (Controls.lane1, Controls.lane2, Controls.lane3))  # the form's default lanes
+    lanes = tuple((m, m) for m in (Controls.lane1, Controls.lane2 if baseline == "default" else baseline,
+                                   Controls.lane3))  # the form's default lanes, or H2O as the baseline
     job = jobs.RunJob(prompt, lanes, config, 40, 0.0, 0, "/nonexistent")
     graphed = {e["lane"]: e["text"] for batch in jobs.run_events(model, tokenizer, job) for e in batch
                if e["kind"] == "done"}
