@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the prompt in chunks of this many tokens (bounds prefill memory; fullkv and the "
                           "QEvict family except qevict_head)")
     gen.add_argument("--graphs", action="store_true",
-                     help="on CUDA, replay decode steps from captured graphs (FullKV, StreamingLLM, SnapKV, "
-                          "CriticalKV, H2O, or a QEvict method with --kernels torch or triton)")
+                     help="on CUDA, replay decode steps from captured graphs (FullKV, an eviction baseline, or a "
+                          "QEvict method with --kernels torch or triton)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")

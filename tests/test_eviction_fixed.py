@@ -1,6 +1,6 @@
-"""Eviction baselines in fixed buffers: the prefill-only ones (qevict_core/baselines/eviction_fixed.py) and H2O,
-evicting in place (eviction_heavy.py): what a GPU runs, so that a CUDA graph replays their decode steps. Checked
-here on the CPU, the layout forced."""
+"""Eviction baselines in fixed buffers: the prefill-only ones (qevict_core/baselines/eviction_fixed.py; with per-head
+budgets, eviction_ragged.py) and H2O, evicting in place (eviction_heavy.py): what a GPU runs, so that a CUDA graph
+replays their decode steps. Checked here on the CPU, the layout forced."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def _cache(model, method: str, fixed: bool, budget: float = 0.3, batch: int = 1)
     config = QEvictConfig(budget=budget)
     return EvictionCache(model, config, MAX_LENGTH, batch, METHODS[method].policy.from_config(config), method,
                          fixed_buffers=fixed)
+
+
+def _room(layer) -> list[int]:
+    """Per head, the decoded tokens a fixed layer takes before it rolls (its host counter ``written``: one per head
+    where heads keep different counts, else one for all)."""
+    written = layer.written if isinstance(layer.written, list) else [layer.written] * len(layer.limit)
+    return [limit - n for limit, n in zip(layer.limit, written)]
 
 
 def _decode(model, cache, tokens: list[int], more: list[int] = ()) -> None:
@@ -87,6 +94,62 @@ def test_h2o_in_place_keeps_the_lists_tokens_while_it_evicts():
     assert report["total_bytes"] <= cache.budget_bytes and report["components"]["scores"] > 0
 
 
+@pytest.mark.parametrize("method", ["adakv", "defensivekv", "layer_defensivekv"])
+def test_per_head_budgets_in_one_buffer_hold_what_the_lists_hold(method):
+    """AdaKV and the DefensiveKVs in fixed buffers (eviction_ragged.py), decoded 90 steps past their limits: each
+    head's segment of layer 0's buffer holds exactly the tokens its chronological list holds (heads keep different
+    counts), with the same evictions, within the budget, the table's bytes counted."""
+    model = tiny_model("llama", 2)
+    cache, lists = _cache(model, method, True), _cache(model, method, False)
+    tokens = random_prompt(90, seed=3)[0].tolist()
+    _decode(model, cache, tokens)
+    _decode(model, lists, tokens)
+    fixed, chronological = cache.layers[0], lists.layers[0]
+    counts = [keys.shape[1] for keys in chronological.keys]
+    assert fixed.limit == counts and all(w > n + 20 for w, n in zip(fixed.written, counts))  # rolled for 20+ steps
+    start = 0
+    for h, n in enumerate(counts):
+        assert (sorted(map(tuple, fixed.key_buffer[0, 0, start:start + n].tolist()))
+                == sorted(map(tuple, chronological.keys[h][0].tolist())))
+        start += n
+    assert start == fixed.key_buffer.shape[2]
+    assert cache.summary() == lists.summary()
+    report = cache.memory_report()
+    assert report["total_bytes"] <= cache.budget_bytes
+    assert report["components"]["index"] == len(cache.layers) * 4 * 8 * len(counts)  # the (4, H) tables
+    assert fixed.table.nbytes == fixed.index_bytes(len(counts))  # what the plan charged for it
+    # each query group reads its own head's segment: while nothing leaves, a step's logits are the lists'
+    pair = _cache(model, method, True), _cache(model, method, False)
+    for c in pair:
+        _decode(model, c, [7, 9])
+    with torch.inference_mode():
+        position = torch.tensor([PROMPT + 2])
+        logits = [call(model, torch.tensor([[11]]), c, logits_to_keep=1, cache_position=position,
+                       position_ids=position[None]).logits for c in pair]
+    assert torch.allclose(*logits, rtol=1e-4, atol=1e-6)
+    # greedy decoding reads what the lists read until a token leaves
+    room = min(_room(_cache_after_prompt(model, method)))
+    assert room > 10
+    eager_lists = _generate(model, _cache(model, method, False), random_prompt(PROMPT), room)
+    assert _generate(model, _cache(model, method, True), random_prompt(PROMPT), room)[0] == eager_lists[0]
+
+
+def _cache_after_prompt(model, method: str):
+    cache = _cache(model, method, True)
+    _decode(model, cache, [7])
+    return cache.layers[0]
+
+
+def test_heads_keep_different_counts_in_one_buffer():
+    """DefensiveKV's heads keep different counts here, and its fixed buffer holds exactly their sum."""
+    model = tiny_model("llama", 2)
+    cache = _cache(model, "defensivekv", True)
+    _decode(model, cache, [7])
+    limits = [layer.limit for layer in cache.layers]
+    assert any(len(set(heads)) > 1 for heads in limits)
+    assert [layer.key_buffer.shape[2] for layer in cache.layers] == [sum(heads) for heads in limits]
+
+
 def test_it_reads_what_the_lists_read_until_a_token_leaves():
     """SnapKV: the prompt's selection moves into the buffers as it is, and greedy decoding gives the lists' tokens
     while the buffer fills (the two differ by the token that leaves once it is full: eviction_fixed.py)."""
@@ -106,7 +169,7 @@ def test_it_reads_what_the_lists_read_until_a_token_leaves():
 
 
 @pytest.mark.parametrize("method, batch", [("streamingllm", 1), ("snapkv", 1), ("criticalkv", 1), ("snapkv", 2),
-                                           ("h2o", 1), ("h2o", 2)])
+                                           ("h2o", 1), ("h2o", 2), ("adakv", 1), ("layer_defensivekv", 1)])
 def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rolling(method, batch):
     model = tiny_model("llama", 2)
     steps = 60  # past the limit: the ring rolls
@@ -117,7 +180,7 @@ def test_replayed_steps_give_the_eager_tokens_and_bytes_while_filling_and_rollin
     assert graphed[3].replays["plain"] >= steps - 3
 
 
-@pytest.mark.parametrize("method, prompt", [("snapkv", PROMPT), ("h2o", 40)])
+@pytest.mark.parametrize("method, prompt", [("snapkv", PROMPT), ("h2o", 40), ("defensivekv", PROMPT)])
 def test_every_decode_step_is_one_call_asking_the_host_nothing(method, prompt):
     """Steps while the buffer fills and after it rolls (or evicts): the same operators, shapes and arguments, none
     that waits for the device (what a CUDA capture refuses)."""
@@ -126,21 +189,22 @@ def test_every_decode_step_is_one_call_asking_the_host_nothing(method, prompt):
     calls = []
     with torch.inference_mode():
         token = call(model, random_prompt(prompt), cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        limit, written = cache.layers[0].key_buffer.shape[2], cache.layers[0].written
-        assert written < limit  # steps while it fills, then after
-        for _ in range(limit - written + 5):
+        layer = cache.layers[0]
+        room = max(_room(layer))
+        assert room > 0  # steps while it fills, then after
+        for _ in range(room + 5):
             position = torch.tensor([cache.get_seq_length()])
             mode = RecordCalls()
             with mode:
                 token = call(model, token, cache, logits_to_keep=1, cache_position=position,
                              position_ids=position[None]).logits[:, -1].argmax(-1, keepdim=True)
             calls.append(mode.calls)
-    assert cache.layers[0].written > limit
+    assert max(_room(layer)) < 0  # every head rolled
     assert all(c == calls[0] for c in calls)
     assert not {name for call_ in calls[0] for name in [call_[0].rsplit(".", 1)[0]]} & REFUSED
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "adakv"])
 def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method):
     model = tiny_model("llama", 2)
     twins = [_cache(model, method, True) for _ in range(2)]
@@ -158,8 +222,13 @@ def test_the_host_half_of_a_replayed_step_is_what_an_eager_step_advances(method)
 
 def test_a_policy_that_cannot_is_refused_and_the_cpu_keeps_the_lists():
     model = tiny_model("llama", 2)
-    with pytest.raises(ValueError, match="AdaKV cannot decode in fixed buffers: only a policy that keeps the same"):
-        _cache(model, "adakv", True)
+    from qevict_core.baselines.policies.h2o import H2O
+
+    class Rescoring(H2O):  # a step policy whose score is not the accumulated attention itself
+        label, evicts_by_accumulation = "Rescoring", False
+
+    with pytest.raises(ValueError, match="Rescoring cannot decode in fixed buffers: only a policy that selects once"):
+        EvictionCache(model, QEvictConfig(budget=0.3), MAX_LENGTH, 1, Rescoring(), "rescoring", fixed_buffers=True)
     assert not _cache(model, "snapkv", None).replays_steps  # a CPU model: the chronological lists
     with pytest.raises(ValueError, match="cannot replay its decode steps"):
         GraphedSteps(model, _cache(model, "snapkv", None), graph_class=RecordedGraph)

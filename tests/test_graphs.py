@@ -280,17 +280,20 @@ def test_a_studio_run_on_a_gpu_replays_every_lane_when_all_of_them_can(monkeypat
     monkeypatch.setattr(graphs, "require_graphs", gpu_check)
     assert same(texts(defaults), eager) and len(eager) == 4
     assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
-    made.clear()  # H2O as the baseline lane: in place on a GPU (eviction_heavy.py), so every lane replays still
-    with_h2o = (defaults[0], ("H2O", "h2o"), defaults[2])
-    monkeypatch.setattr(graphs, "require_graphs", real_check)
-    eager = texts(with_h2o)
-    monkeypatch.setattr(graphs, "require_graphs", gpu_check)
-    assert same(texts(with_h2o), eager) and len(eager) == 4
-    assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
+    # H2O or Layer-DefensiveKV as the baseline lane: in fixed buffers on a GPU too (eviction_heavy.py,
+    # eviction_ragged.py), so every lane replays still
+    for baseline in (("H2O", "h2o"), ("Layer-DefensiveKV", "layer_defensivekv")):
+        made.clear()
+        lanes = (defaults[0], baseline, defaults[2])
+        monkeypatch.setattr(graphs, "require_graphs", real_check)
+        eager = texts(lanes)
+        monkeypatch.setattr(graphs, "require_graphs", gpu_check)
+        assert same(texts(lanes), eager) and len(eager) == 4
+        assert len(made) == 3 and all(m.replays["plain"] >= 20 for m in made)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the stand-in runs above)")
-@pytest.mark.parametrize("baseline", ["default", "h2o"])
+@pytest.mark.parametrize("baseline", ["default", "h2o", "layer_defensivekv"])
 def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone(monkeypatch, baseline):
     """On CUDA, with real graphs: the studio's run gives each lane the tokens it gives decoding alone, eagerly."""
     from qevict_core import Sampling, generate_lanes
@@ -310,7 +313,7 @@ def test_a_studio_run_on_cuda_replays_its_lanes_with_the_tokens_each_gives_alone
     config = {"kernels": "torch", "omega": 8, "budget": 0.3, "record_events": True}
     prompt = tuple(random_prompt(300)[0].tolist())
     lanes = tuple((m, m) for m in (Controls.lane1, Controls.lane2 if baseline == "default" else baseline,
-                                   Controls.lane3))  # the form's default lanes, or H2O as the baseline
+                                   Controls.lane3))  # the form's default lanes, or another baseline
     job = jobs.RunJob(prompt, lanes, config, 40, 0.0, 0, "/nonexistent")
     graphed = {e["lane"]: e["text"] for batch in jobs.run_events(model, tokenizer, job) for e in batch
                if e["kind"] == "done"}

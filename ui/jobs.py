@@ -65,8 +65,8 @@ def run_seconds(job: RunJob) -> int:
 def run_events(model, tokenizer, job: RunJob) -> Iterator[list[dict]]:
     """The run's events as dicts, one list per lane-step (the lane's token, its routing events, its memory
     report) and the lanes' ends; it stops once ``job.stop_file`` exists, after the step in flight. On a GPU where
-    every lane's decode steps can replay from CUDA graphs (FullKV, the prefill-only eviction baselines, H2O and the
-    QEvict methods: the default lanes among them), each lane decodes alone from its graphs; otherwise the lanes share
+    every lane's decode steps can replay from CUDA graphs (FullKV, the eviction baselines and the QEvict methods,
+    the default lanes among them), each lane decodes alone from its graphs; otherwise the lanes share
     eager forwards."""
     lanes = job.caches(model)
     sampling = Sampling(max_new_tokens=job.max_new_tokens, temperature=job.temperature, seed=job.seed)

@@ -37,13 +37,14 @@ class EvictionPlan:
 
 
 def plan_eviction(shape: KVShape, cfg: QEvictConfig, policy: Policy, max_length: int,
-                  counter_bytes: int = 0) -> EvictionPlan:
-    """``counter_bytes``: what each layer keeps besides its tokens (fixed buffers' device counter)."""
+                  index_bytes: int | None = None) -> EvictionPlan:
+    """``index_bytes``: what each layer keeps besides its tokens (fixed buffers' device counters); by default the
+    lists', each head's length where heads keep different counts."""
     budget = budget_bytes_of(shape, cfg, max_length)
     per_token = 2 * shape.batch * shape.head_dim * shape.element_size
     if policy.scores_from == "all":
         per_token += shape.batch * SCORE_BYTES
-    fixed = (shape.num_kv_heads * ID_BYTES if policy.ragged else 0) + counter_bytes
+    fixed = (shape.num_kv_heads * ID_BYTES if policy.ragged else 0) if index_bytes is None else index_bytes
     capacity = max(0, budget // shape.num_layers - fixed) // (shape.num_kv_heads * per_token)
     # A sequence that fits whole is never compressed, so the policy's own minimum does not apply to it.
     least = min(policy.min_capacity(), max_length)
@@ -195,9 +196,9 @@ class EvictionLayer(ReportingLayer):
 
 
 class EvictionCache(ReportingCache):
-    """``fixed_buffers``: decode in fixed buffers (eviction_fixed.py, eviction_heavy.py), so that a CUDA graph can
-    replay the steps;
-    None: on a GPU, where the policy can (``Policy.decodes_in_place``), and in chronological lists elsewhere."""
+    """``fixed_buffers``: decode in fixed buffers (eviction_fixed.py; eviction_ragged.py where heads keep different
+    counts; eviction_heavy.py for H2O), so that a CUDA graph can replay the steps; None: on a GPU, where the policy
+    can (``Policy.decodes_in_place``), and in chronological lists elsewhere."""
 
     def __init__(self, model, config: QEvictConfig, max_length: int, batch_size: int, policy: Policy, method: str,
                  fixed_buffers: bool | None = None):
@@ -205,21 +206,24 @@ class EvictionCache(ReportingCache):
             raise ValueError(f"{policy.label} keeps a different number of tokens per head and supports batch size 1 "
                              f"only (got {batch_size})")
         if fixed_buffers and not policy.decodes_in_place:
-            raise ValueError(f"{policy.label} cannot decode in fixed buffers: only a policy that keeps the same count "
-                             "in every head and selects once, after the prompt (StreamingLLM, SnapKV, CriticalKV), "
-                             "or evicts by accumulated attention (H2O) can")
+            raise ValueError(f"{policy.label} cannot decode in fixed buffers: only a policy that selects once, after "
+                             "the prompt (StreamingLLM, SnapKV, CriticalKV, AdaKV, the DefensiveKVs), or evicts by "
+                             "accumulated attention (H2O) can")
         if fixed_buffers is None:
             fixed_buffers = policy.decodes_in_place and cache_base.lays_out_for_graphs(model)
         self.method = method
         self.policy = policy
         shape = KVShape.from_model(model, batch_size, config)
-        self.plan = plan_eviction(shape, config, policy, max_length, COUNTER_BYTES if fixed_buffers else 0)
-        self.evicted = 0
         layer_class = EvictionLayer
         if fixed_buffers and policy.compress_at == "step":
             from .eviction_heavy import HeavyEvictionLayer as layer_class
+        elif fixed_buffers and (policy.ragged or policy.cross_layer):
+            from .eviction_ragged import RaggedEvictionLayer as layer_class
         elif fixed_buffers:
             from .eviction_fixed import FixedEvictionLayer as layer_class
+        self.plan = plan_eviction(shape, config, policy, max_length,
+                                  layer_class.index_bytes(shape.num_kv_heads) if fixed_buffers else None)
+        self.evicted = 0
         layers = [layer_class(i, self) for i in range(shape.num_layers)]
         super().__init__(layers, model, shape, max_length, self.plan.budget_bytes)
         self.config = config  # what it was made with (make_cache reports it per lane)

@@ -1,7 +1,7 @@
 """A prefill-only eviction baseline laid out in fixed buffers, so that every decode step is one call (a CUDA graph
 can replay it): what ``EvictionCache`` builds on a GPU for a policy that keeps the same tokens in every head and
-compresses once, after the prompt (StreamingLLM, SnapKV, CriticalKV); H2O's, which evicts at every step, is
-eviction_heavy.py.
+compresses once, after the prompt (StreamingLLM, SnapKV, CriticalKV); per-head budgets (AdaKV, the DefensiveKVs)
+are eviction_ragged.py, and H2O, which evicts at every step, eviction_heavy.py.
 
 The prompt runs as in the chronological layer (eviction.py): per-head lists, the policy's selection. Then every
 head's kept tokens move into one buffer (B, H, L, D), L the layer's limit (the selection, its tail and the decoding
@@ -23,11 +23,16 @@ import torch
 
 from ..engine.attention import sdpa_with_positions
 from ..engine.cache_base import tensor_key
-from .eviction import EvictionLayer
+from .eviction import COUNTER_BYTES, EvictionLayer
 
 
 class FixedEvictionLayer(EvictionLayer):
     steps_at_fixed_shape = True
+
+    @staticmethod
+    def index_bytes(heads: int) -> int:
+        """What the layer keeps besides its tokens: its device counter."""
+        return COUNTER_BYTES
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)

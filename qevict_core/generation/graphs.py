@@ -1,8 +1,7 @@
 """Decode steps replayed from a captured CUDA graph: one launch for the whole model's step instead of hundreds.
 
 A cache whose one-token decode step is the same call at every fill (``replays_steps``: the QEvict family on the
-PyTorch or Triton path; FullKV, StreamingLLM, SnapKV, CriticalKV and H2O on a GPU, in fixed buffers;
-``fullkv_static``)
+PyTorch or Triton path; FullKV and the eviction baselines on a GPU, in fixed buffers; ``fullkv_static``)
 writes its token at a slot it counts on the device and reads its tiers in place, so a step captured once replays at
 every later fill, as long as nothing it reads was reallocated or resized (``replay_key``). Plain steps and routing
 steps (``replays_routing``: once the tiers keep their sizes and storage across an event, every event is the same
@@ -27,7 +26,7 @@ from .model_call import call
 
 
 _CANNOT = ("{method} cannot replay its decode steps from a graph: they follow the cache's fill (graphs need "
-           "fixed buffers: FullKV, StreamingLLM, SnapKV, CriticalKV or H2O on a GPU, fullkv_static, "
+           "fixed buffers: FullKV or an eviction baseline on a GPU, fullkv_static, "
            "or a QEvict method on a GPU path, kernels='torch' or 'triton')")
 
 

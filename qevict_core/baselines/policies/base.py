@@ -56,12 +56,10 @@ class Policy:
     @property
     def decodes_in_place(self) -> bool:
         """Whether its cache can decode in fixed buffers, one call at every step: one selection after the prompt,
-        the same count in every head, nothing scored while decoding (eviction_fixed.py), or the same count in every
-        head evicted in place by accumulated attention (eviction_heavy.py)."""
-        if self.ragged or self.cross_layer:
-            return False
+        nothing scored while decoding (eviction_fixed.py; eviction_ragged.py where heads keep different counts), or
+        the same count in every head evicted in place by accumulated attention (eviction_heavy.py)."""
         if self.compress_at == "step":
-            return self.evicts_by_accumulation
+            return self.evicts_by_accumulation and not self.ragged and not self.cross_layer
         return self.scores_from != "all"
 
     @classmethod
