@@ -6,7 +6,7 @@ decode step's routing event waits for the end of the forward (``QEvictCache.defe
 that routed, the cache copies the layers' tiers, once, into a ``StackedLayer``: a layer of L·B rows whose tensors
 are the storage, layer l's being rows [l·B, (l+1)·B) (views, each contiguous, so the kernels read them as before;
 the bytes are counted once, by the layers). A decode step's event is then one move of the stack (row_move.py,
-unchanged: rows of different layers are as independent as batch rows, and one decision ranks them all as
+as for batch rows: rows of different layers are as independent as batch rows, and one decision ranks them all as
 ``decide_rows`` does), after which every layer takes its rows again (the same storage while the tiers keep their
 sizes). Tokens, moves and bytes are those of the layer-by-layer move; only the count of operators changes. If a
 layer's tensors stop being its rows (a continuation read at once grew its buffer), that forward moves layer by

@@ -107,9 +107,10 @@ def move(owner, keys: torch.Tensor, values: torch.Tensor, cands: Candidates, dec
 
 def _promoted(owner, keys: torch.Tensor, cands: Candidates, full_k: torch.Tensor, full_v: torch.Tensor,
               full: torch.Tensor):
-    """The new full tier (R, H, K_f·Ω, D), in the keys' dtype, with the windows each row promotes dequantized from their records (the
-    keys held no low-bit tier, so only they need full precision). Every row dequantizes m of its K_f slots: K_f (a
-    bound the host knows), or where the host sizes moves, the most any row promotes (nothing when none does)."""
+    """The new full tier (R, H, K_f·Ω, D), in the keys' dtype, with the windows each row promotes dequantized from
+    their records (the keys held no low-bit tier, so only they need full precision). Every row dequantizes m of its
+    K_f slots: K_f (a bound the host knows), or where the host sizes moves, the most any row promotes (nothing when
+    none does)."""
     promoted = full < cands.n_quant  # (R, K_f)
     k_f = promoted.shape[1]
     if owner.backend.sizes_moves_on_host:
@@ -134,7 +135,7 @@ def _promoted(owner, keys: torch.Tensor, cands: Candidates, full_k: torch.Tensor
                      for tier, deq in ((full_k, deq_k), (full_v, deq_v)))
     index = slots[:, None, :, None, None].expand(r, h, m, full_k.shape[2] // k_f, d)
     for tier, deq in ((full_k, deq_k), (full_v, deq_v)):
-        windows_of = tier.view(r, h, k_f, -1, d)  # (R, H, K_f, Ω, D), the gather's own copy
+        windows_of = tier.view(r, h, k_f, -1, d)  # (R, H, K_f, Ω, D): the gather's copy, so written in place
         kept = windows_of.gather(2, index)
         windows_of.scatter_(2, index, torch.where(mask, deq.view(by_window), kept).to(tier.dtype))
     return full_k, full_v

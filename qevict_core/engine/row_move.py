@@ -4,10 +4,10 @@ the layer's own storage (``keep_selected``, ``keep_moved``).
 
 The decision (``routing.route_windows``) ranks the candidates - the quantized tier, the full tier and the windows
 aging out of the recent region. The move reads the keys it is given: a row layer's own full-precision buffer (its
-event waits for the forward's end, cache.py), from which each row dequantizes the windows it promotes, or what
-a forward attended over with the low-bit tier dequantized in front (a continuation's event, a head moving on its own,
-on the PyTorch path), from which promotion copies the window. Every layer as rows of one move: layer_stack.py; every KV head of a per-head layer at once:
-head_move.py.
+event waits for the forward's end, cache.py), from which each row dequantizes the windows it promotes, or what a
+forward attended over with the low-bit tier dequantized in front (a continuation's event, a head moving on its own,
+on the PyTorch path), from which promotion copies the window. Every layer as rows of one move: layer_stack.py; every
+KV head of a per-head layer at once: head_move.py.
 """
 
 from __future__ import annotations
