@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short script for a lent GPU (at most 11.4 minutes: the sum of its steps' limits): kernel and graph
+# One short script for a lent GPU (at most 11.6 minutes: the sum of its steps' limits): kernel and graph
 # correctness, resources, one layer's attention graph-replayed, end to end on an 8B shape and on SmolLM2's, eager
 # and with plain decode steps replayed from CUDA graphs, a profile.
 # Usage (on the GPU machine, from the repository root): bash bench/gpu_check.sh [OUT_DIR]
@@ -41,13 +41,14 @@ step speed_32k "${SPEED_S:-80}" "$py" -m bench.speed --device cuda --model rando
 step peak_16k "${SPEED_S:-60}" "$py" -m bench.speed --device cuda --model random:llama-8b \
   --methods fullkv_static,qevict@triton --baseline fullkv_static --budget 0.2 --contexts 16384 --batch 8 \
   --new-tokens 16 --repeats 1 --prefill-chunk 2048 --out "$out/peak"
-# 5. the studio's model shape (SmolLM2), eager, then graphed with steps interleaved (bench.tpot)
+# 5. the studio's model shape (SmolLM2), eager, then graphed with steps interleaved (bench.tpot), the eviction
+# baselines in their GPU layouts beside QEvict
 step smollm2 "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:smollm2 \
   --methods fullkv_static,qevict@triton,qevict@torch --baseline fullkv_static --budget 0.2 --contexts 2048,4096 \
   --batch 1 --new-tokens 64 --repeats 2 --out "$out/smollm2"
-step smollm2_graphs "${SMOL_S:-50}" "$py" -m bench.tpot --device cuda --model random:smollm2 --graphs \
-  --methods fullkv_static,qevict@triton,qevict@torch,snapkv,h2o --baseline fullkv_static --budget 0.2 \
-  --contexts 2048,4096 --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
+step smollm2_graphs "${SMOL_GRAPHS_S:-60}" "$py" -m bench.tpot --device cuda --model random:smollm2 --graphs \
+  --methods fullkv_static,qevict@triton,qevict@torch,snapkv,h2o,layer_defensivekv --baseline fullkv_static \
+  --budget 0.2 --contexts 2048,4096 --new-tokens 64 --rounds 3 --out "$out/smollm2_graphs"
 # 6. where a decode step of the fused path spends its time
 step profile "${PROFILE_S:-40}" "$py" -m bench.profile_decode --device cuda --model random:llama-8b \
   --method qevict@triton --context 8192 --batch 8 --steps 16 --out "$out/profile"
