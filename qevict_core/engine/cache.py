@@ -80,7 +80,7 @@ class QEvictCache(ReportingCache):
     def begin_forward(self, num_tokens: int) -> None:
         self.move_deferred()
         self.schedule.begin_forward(num_tokens, hold=self.staging)
-        self._rope_table = self._signed_sin = None
+        self._drop_transients()
 
     def note_unfit(self, windows: torch.Tensor) -> None:
         """Windows (bool, on the device) quantized at this routing event whose scales or zero-points their dtype
@@ -129,6 +129,11 @@ class QEvictCache(ReportingCache):
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
             self.events.append(RoutingEvent.after_move(layer, old, aged[0].tolist()))
 
+    @property
+    def stack(self) -> StackedLayer | None:
+        """Every layer's tiers as rows of one storage, when they are (layer_stack.py)."""
+        return self._stack
+
     def defer_move(self, layer) -> None:
         """A layer's routing event, left for the end of the forward, when every layer's is decided at once
         (``row_move.decide_rows``) and moved from the layer's own tiers (``own_keys``: what the step attended over
@@ -143,7 +148,13 @@ class QEvictCache(ReportingCache):
             if StackedLayer.can_hold(self.layers):
                 self.note_workspace(sum(t.nbytes for x in self.layers for t in row_tensors(x) if t is not None))
                 self._stack = StackedLayer(self.layers)
-        self._rope_table = self._signed_sin = None  # transient: nothing of it persists to the next step
+        self._drop_transients()
+
+    def _drop_transients(self) -> None:
+        """This forward's tables (rope, signed sine, the stack's fold ids): nothing of them persists to the next."""
+        self._rope_table = self._signed_sin = None
+        if self._stack is not None:
+            self._stack.fold_table = None
 
     def move_deferred(self) -> None:
         """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack when

@@ -27,6 +27,7 @@ class StackedLayer(QEvictLayer):
     """``layers`` (QEvictLayer, every one of a row cache, in order) as one layer of L·B rows."""
 
     stacks_as_rows = False
+    fold_table: torch.Tensor | None = None  # this forward's (``fold_ids``)
 
     def __init__(self, layers: list[QEvictLayer]):
         first = layers[0]
@@ -78,6 +79,17 @@ class StackedLayer(QEvictLayer):
         self._follow(self.layers[0])
         settle(self)
         self.move(*self.own_keys())
+
+    def fold_ids(self, layer: QEvictLayer, num: int) -> torch.Tensor:
+        """(L·B, num): every layer's window ids for the fold of a decode step over the whole buffer (``_fold_ids``),
+        built by the first ``layer`` to fold, whose host counters every layer shares, and sliced by every other (one
+        set of operators a step, not one a layer); the cache drops them at the forward's end. Only moves change them,
+        and moves wait for that end."""
+        if self.fold_table is None:
+            self._follow(layer)
+            self.fold_table = self._fold_ids(num)
+            self.owner.note_workspace(self.fold_table.nbytes)
+        return self.fold_table
 
     def _follow(self, layer: QEvictLayer) -> None:
         """The host counters of ``layer`` (every layer of the stack has the same)."""

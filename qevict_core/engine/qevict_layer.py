@@ -41,6 +41,7 @@ class QEvictLayer(ReportingLayer):
     # A move rewrites the full tier's ids in place when their size holds (not views shared by heads, head_move.py)
     rewrites_in_place = True
     stacks_as_rows = True
+    stack_rows: tuple | None = None  # (id(stack), its rows) from take_rows: a reference would pin a dropped stack
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
@@ -270,6 +271,7 @@ class QEvictLayer(ReportingLayer):
     def take_rows(self, stack, index: int) -> None:
         """Become layer ``index`` of ``stack`` (layer_stack.py): views of its rows, its host counters."""
         start, stop = index * self.owner.shape.batch, (index + 1) * self.owner.shape.batch
+        self.stack_rows = id(stack), slice(start, stop)
         self.fp.take_rows(stack.fp, index)
         self.recent_origin = None if stack.recent_origin is None else stack.recent_origin[index:index + 1]
         self.full_ids, self.dormant_valid = stack.full_ids[start:stop], stack.dormant_valid[start:stop]
@@ -296,8 +298,7 @@ class QEvictLayer(ReportingLayer):
         Every tier after the sinks holds whole windows in that order (the recent region's last one may be partial),
         so a window's mass is a sum over Ω consecutive keys, credited to the tiers' window ids: no per-key positions
         (building and binning them cost more than the sums on a 4K decode step)."""
-        omega, sinks = self.grid.omega, self.sink_k.shape[2]
-        b = fp_keys.shape[0]
+        omega, sinks, b = self.grid.omega, self.sink_k.shape[2], fp_keys.shape[0]
         # the recent region's last window may be partial: zeros complete it (always padded, by 0 too, so that every
         # step runs the same operators)
         tokens = torch.nn.functional.pad(fp_keys[:, sinks:], (0, -(fp_keys.shape[1] - sinks) % omega))
@@ -306,13 +307,14 @@ class QEvictLayer(ReportingLayer):
         self.owner.scorer.fold(self.scores, self.interval, self._fold_ids(per_window.shape[1]), per_window)
 
     def _fold_ids(self, num: int) -> torch.Tensor:
-        """(B, num) window ids of [quantized | full | recent], rebuilt each step: kept between steps they would be
-        bytes outside the budget. Over the whole buffer the first recent window comes from the device origin and
-        the reserved tail's windows (zero mass) are clamped into the table."""
-        n_recent = num - self.quant.num_windows - self.full_ids.shape[1]
-        device = self.full_ids.device
+        """(B, num) window ids of [quantized | full | recent], rebuilt each step (kept, they would be bytes outside the
+        budget); over the whole buffer, recent windows from the device origin, the tail's (no mass) clamped."""
+        if self.reads_buffer and self.stack_rows and self.stack_rows[0] == id(stack := self.owner.stack):
+            return stack.fold_ids(self, num)[self.stack_rows[1]]  # every layer's, once per forward
+        n_recent, device = num - self.quant.num_windows - self.full_ids.shape[1], self.full_ids.device
         if self.reads_buffer:
-            recent = (self._first_recent() + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
+            first = self._first_recent()[:1]  # a stack's origin is one per layer, the same value in each
+            recent = (first + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
         else:
             first_recent = self.grid.window_of(self.recent_start)
             recent = torch.arange(first_recent, first_recent + n_recent, device=device)
@@ -331,8 +333,7 @@ class QEvictLayer(ReportingLayer):
         parts = [torch.arange(self.sink_k.shape[2], device=device).expand(b, -1)]
         parts.append(self.grid.positions(self.full_ids))
         if self.reads_buffer:
-            recent = self.recent_origin + torch.arange(self.fp.sinks + self.fp.full, self.fp.capacity,
-                                                             device=device)
+            recent = self.recent_origin + torch.arange(self.fp.sinks + self.fp.full, self.fp.capacity, device=device)
         else:
             recent = torch.arange(self.recent_start, self.recent_start + self.recent_k.shape[2], device=device)
         parts.append(recent.expand(b, -1))
