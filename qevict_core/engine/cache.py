@@ -129,10 +129,10 @@ class QEvictCache(ReportingCache):
         for layer, old, aged in records:  # the tensors a captured step wrote its records into
             self.events.append(RoutingEvent.after_move(layer, old, aged[0].tolist()))
 
-    @property
-    def stack(self) -> StackedLayer | None:
-        """Every layer's tiers as rows of one storage, when they are (layer_stack.py)."""
-        return self._stack
+    def stack_of(self, layer) -> StackedLayer | None:
+        """The stack of every layer's tiers (layer_stack.py) whose rows ``layer``'s are, if they are."""
+        rows = layer.stack_rows
+        return self._stack if rows is not None and self._stack is not None and rows[0] == id(self._stack) else None
 
     def defer_move(self, layer) -> None:
         """A layer's routing event, left for the end of the forward, when every layer's is decided at once
@@ -154,7 +154,7 @@ class QEvictCache(ReportingCache):
         """This forward's tables (rope, signed sine, the stack's fold ids): nothing of them persists to the next."""
         self._rope_table = self._signed_sin = None
         if self._stack is not None:
-            self._stack.fold_table = None
+            self._stack.step_tables = None
 
     def move_deferred(self) -> None:
         """The deferred routing events: every layer's settled, decided and moved at once (as rows of one stack when

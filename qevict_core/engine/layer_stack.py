@@ -27,7 +27,8 @@ class StackedLayer(QEvictLayer):
     """``layers`` (QEvictLayer, every one of a row cache, in order) as one layer of L·B rows."""
 
     stacks_as_rows = False
-    fold_table: torch.Tensor | None = None  # this forward's (``fold_ids``)
+    # this forward's tables every layer reads alike (``step_table``), dropped by the cache at the forward's end
+    step_tables: dict | None = None
 
     def __init__(self, layers: list[QEvictLayer]):
         first = layers[0]
@@ -80,16 +81,17 @@ class StackedLayer(QEvictLayer):
         settle(self)
         self.move(*self.own_keys())
 
-    def fold_ids(self, layer: QEvictLayer, num: int) -> torch.Tensor:
-        """(L·B, num): every layer's window ids for the fold of a decode step over the whole buffer (``_fold_ids``),
-        built by the first ``layer`` to fold, whose host counters every layer shares, and sliced by every other (one
-        set of operators a step, not one a layer); the cache drops them at the forward's end. Only moves change them,
-        and moves wait for that end."""
-        if self.fold_table is None:
+    def step_table(self, layer: QEvictLayer, key: tuple, build) -> torch.Tensor:
+        """A table of a decode step over the whole buffer that every layer reads alike, ``build()`` by the stack as
+        the first ``layer`` to ask sees it (its host counters and fill are every layer's once it has appended), then
+        read by every other: one set of operators a step, not one a layer. Only moves change what it is built from,
+        and a decode step's moves wait for the forward's end, where the cache drops it (``key``: what it is)."""
+        tables = self.step_tables = self.step_tables or {}
+        if key not in tables:
             self._follow(layer)
-            self.fold_table = self._fold_ids(num)
-            self.owner.note_workspace(self.fold_table.nbytes)
-        return self.fold_table
+            tables[key] = build()
+            self.owner.note_workspace(tables[key].nbytes)
+        return tables[key]
 
     def _follow(self, layer: QEvictLayer) -> None:
         """The host counters of ``layer`` (every layer of the stack has the same)."""

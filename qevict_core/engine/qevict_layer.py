@@ -172,12 +172,10 @@ class QEvictLayer(ReportingLayer):
         leaving = self.grid.window_of(self.seen - self.owner.config.recent)  # the first window still recent after it
         return max(0, leaving - self.grid.window_of(self.recent_start))
 
-    def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor],
-                        windows: WindowLedger | None = None):
-        """[dequantized, re-rotated ``windows`` (default: the whole quantized tier) | *keys]: a transient workspace."""
-        windows = self.quant if windows is None else windows
-        cos, signed_sin = self.owner.tier_rope(self.sink_k, windows.ids)
-        keys, values = assemble(windows, keys, values, cos, signed_sin, dtype=self.owner.compute_dtype)
+    def with_quantized(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """[the quantized tier dequantized and re-rotated | *keys]: a transient workspace."""
+        cos, signed_sin = self.owner.tier_rope(self.sink_k, self.quant.ids)
+        keys, values = assemble(self.quant, keys, values, cos, signed_sin, dtype=self.owner.compute_dtype)
         self.owner.note_workspace(keys.nbytes + values.nbytes)
         return keys, values
 
@@ -245,10 +243,11 @@ class QEvictLayer(ReportingLayer):
         return out
 
     def unwritten_slots(self, before: int = 0) -> torch.Tensor:
-        """(before + capacity,) True at the buffer's slots no token has reached yet (``reads_buffer``: one query, the
-        newest token, so every written key is visible to it and only these are hidden), after ``before`` keys read
-        in front of the buffer: two operators, no positions."""
-        return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count
+        """(before + capacity,) True at the buffer's slots no token has reached yet, after ``before`` keys read in
+        front of it (``reads_buffer``: one query, the newest token, sees every written key): no positions."""
+        if (stack := self.owner.stack_of(self)) is not None:  # every layer's, built once a step (layer_stack.py)
+            return stack.step_table(self, ("unwritten", before), lambda: stack.unwritten_slots(before))
+        return torch.arange(-before, self.fp.capacity, device=self.fp.keys.device) >= self.fp.count[:1]
 
     def own_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer (or its live part, as the last ``append`` returned it): what a deferred move reads."""
@@ -309,12 +308,12 @@ class QEvictLayer(ReportingLayer):
     def _fold_ids(self, num: int) -> torch.Tensor:
         """(B, num) window ids of [quantized | full | recent], rebuilt each step (kept, they would be bytes outside the
         budget); over the whole buffer, recent windows from the device origin, the tail's (no mass) clamped."""
-        if self.reads_buffer and self.stack_rows and self.stack_rows[0] == id(stack := self.owner.stack):
-            return stack.fold_ids(self, num)[self.stack_rows[1]]  # every layer's, once per forward
+        if self.reads_buffer and (stack := self.owner.stack_of(self)) is not None:  # every layer's, once a step
+            return stack.step_table(self, ("fold", num), lambda: stack._fold_ids(num))[self.stack_rows[1]]
         n_recent, device = num - self.quant.num_windows - self.full_ids.shape[1], self.full_ids.device
-        if self.reads_buffer:
-            first = self._first_recent()[:1]  # a stack's origin is one per layer, the same value in each
-            recent = (first + torch.arange(n_recent, device=device)).clamp_(max=self.scores.shape[1] - 1)
+        last = self.scores.shape[1] - 1
+        if self.reads_buffer:  # [:1]: a stack's origin is one per layer, the same value in each
+            recent = (self._first_recent()[:1] + torch.arange(n_recent, device=device)).clamp_(max=last)
         else:
             first_recent = self.grid.window_of(self.recent_start)
             recent = torch.arange(first_recent, first_recent + n_recent, device=device)
