@@ -51,6 +51,25 @@ def test_a_stacked_move_is_the_layer_by_layer_move(monkeypatch, batch, kernels):
         assert layer.fp.keys.untyped_storage().data_ptr() == cache.layers[0].fp.keys.untyped_storage().data_ptr()
 
 
+def test_every_layer_reads_the_step_tables_the_stack_builds_once_as_it_would_build_its_own(monkeypatch):
+    """On the PyTorch path a decode step's fold ids and unwritten-slot mask are built once for every stacked layer
+    (``StackedLayer.step_table``): each layer's rows equal what it builds alone, and a second layer asking builds
+    nothing."""
+    _, cache, at_once, _ = _generate(monkeypatch, True, 2, new_tokens=41, kernels="torch")
+    assert at_once and cache.stack_of(cache.layers[0]) is cache._stack
+    first = cache.layers[0]
+    num = first.quant.num_windows + first.full_ids.shape[1] + cache.grid.count(first.fp.capacity - first.fp.sinks
+                                                                                 - first.fp.full)
+    before = first.quant.num_windows * cache.grid.omega
+    shared = [(layer._fold_ids(num), layer.unwritten_slots(before)) for layer in cache.layers]
+    assert len(cache._stack.step_tables) == 2  # built by the first layer, read by the others
+    for layer, (ids, hidden) in zip(cache.layers, shared):
+        rows, layer.stack_rows = layer.stack_rows, None  # the layer alone
+        assert torch.equal(ids, layer._fold_ids(num)) and torch.equal(hidden, layer.unwritten_slots(before))
+        layer.stack_rows = rows
+    cache._stack.step_tables = None
+
+
 @pytest.mark.parametrize("kernels", PATHS)
 def test_a_continuation_read_at_once_leaves_the_stack_and_the_next_event_stacks_again(monkeypatch, kernels):
     """A forward of many tokens after decoding grows every layer's buffer past the stack's storage: that event moves

@@ -130,9 +130,13 @@ class QEvictCache(ReportingCache):
             self.events.append(RoutingEvent.after_move(layer, old, aged[0].tolist()))
 
     def stack_of(self, layer) -> StackedLayer | None:
-        """The stack of every layer's tiers (layer_stack.py) whose rows ``layer``'s are, if they are."""
-        rows = layer.stack_rows
-        return self._stack if rows is not None and self._stack is not None and rows[0] == id(self._stack) else None
+        """The stack of every layer's tiers (layer_stack.py) whose rows ``layer``'s are, if they are (its buffer
+        still the stack's storage: only a move, which ends a forward, changes the ids it holds besides)."""
+        stack, rows = self._stack, layer.stack_rows
+        if stack is None or rows is None or rows[0] != id(stack):
+            return None
+        same = layer.fp.keys.untyped_storage().data_ptr() == stack.fp.keys.untyped_storage().data_ptr()
+        return stack if same else None
 
     def defer_move(self, layer) -> None:
         """A layer's routing event, left for the end of the forward, when every layer's is decided at once
@@ -151,7 +155,7 @@ class QEvictCache(ReportingCache):
         self._drop_transients()
 
     def _drop_transients(self) -> None:
-        """This forward's tables (rope, signed sine, the stack's fold ids): nothing of them persists to the next."""
+        """This forward's tables (rope, signed sine, the stack's step tables): nothing of them persists to the next."""
         self._rope_table = self._signed_sin = None
         if self._stack is not None:
             self._stack.step_tables = None
