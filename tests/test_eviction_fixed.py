@@ -32,13 +32,13 @@ def _room(layer) -> list[int]:
     return [limit - n for limit, n in zip(layer.limit, written)]
 
 
-def _decode(model, cache, tokens: list[int], more: list[int] = ()) -> None:
-    """The prompt, then ``tokens`` one per forward (the same tokens whatever the cache keeps); with ``more``, only
-    those, after what the cache already read."""
+def _decode(model, cache, tokens: list[int], prompt: bool = True) -> None:
+    """The prompt (unless ``prompt`` is False: the cache read it already), then ``tokens`` one per forward (the same
+    tokens whatever the cache keeps)."""
     with torch.inference_mode():
-        if not more:
+        if prompt:
             call(model, random_prompt(PROMPT), cache, logits_to_keep=1)
-        for token in tokens or more:
+        for token in tokens:
             position = torch.tensor([cache.get_seq_length()])
             call(model, torch.tensor([[token]]), cache, logits_to_keep=1, cache_position=position,
                  position_ids=position[None])
@@ -78,7 +78,7 @@ def test_h2o_in_place_keeps_the_lists_tokens_while_it_evicts():
     tokens = random_prompt(90, seed=3)[0].tolist()
     _decode(model, cache, tokens[:1])
     addresses = [t.data_ptr() for t in cache.layers[0].buffers()]
-    _decode(model, cache, [], more=tokens[1:])
+    _decode(model, cache, tokens[1:], prompt=False)
     _decode(model, lists, tokens)
     fixed, chronological = cache.layers[0], lists.layers[0]
     limit = fixed.key_buffer.shape[2]

@@ -46,18 +46,27 @@ class FixedEvictionLayer(EvictionLayer):
         if key_states.shape[2] != 1:
             raise ValueError(f"{self.owner.method} in fixed buffers reads one token per forward after the prompt "
                              f"(got {key_states.shape[2]})")
+        self._write(key_states, value_states)
+        self._advance(1)
+        return self.key_buffer, self.value_buffer
+
+    def _selected(self) -> bool:
+        """Whether the prompt's forward left the lists as the buffers keep them: once the policy selected (across
+        layers, only once the last layer's prompt is through)."""
+        return self.compressed
+
+    def _write(self, key_states, value_states) -> None:
+        """A decoded token (B, H, 1, D) into its slot of the ring."""
         frozen, limit = self.frozen[0], self.key_buffer.shape[2]
         slot = (self.count - frozen).remainder_(limit - frozen).add_(frozen)  # (1,)
         self.key_buffer.index_copy_(2, slot, key_states)
         self.value_buffer.index_copy_(2, slot, value_states)
         self.count.add_(1)
-        self._advance(1)
-        return self.key_buffer, self.value_buffer
 
     def attend(self, module, query, key, value, scaling, dropout, output=True):
         if self.key_buffer is None:
             out = super().attend(module, query, key, value, scaling, dropout, output)
-            if self.compressed:
+            if self._selected():
                 self._to_buffers()
             return out
         if not output:
@@ -103,7 +112,7 @@ class FixedEvictionLayer(EvictionLayer):
             return {}
         if self.key_buffer is None:  # the prompt's lists, and the counter already there
             lists = super().resident_bytes()
-            return {**lists, "index": lists["index"] + self.count.nbytes}
+            return {**lists, "index": lists["index"] + self.index_bytes(len(self.limit))}
         return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes, "index": self.count.nbytes}
 
     def tier_counts(self) -> dict[str, int]:

@@ -31,21 +31,15 @@ from .eviction_fixed import FixedEvictionLayer
 
 class HeavyEvictionLayer(FixedEvictionLayer):
 
-    def append(self, key_states, value_states):
-        if self.key_buffer is None:  # the prompt: the chronological lists
-            return super(FixedEvictionLayer, self).append(key_states, value_states)  # EvictionLayer's, not the ring's
-        if key_states.shape[2] != 1:
-            raise ValueError(f"{self.owner.method} in fixed buffers reads one token per forward after the prompt "
-                             f"(got {key_states.shape[2]})")
+    def _selected(self) -> bool:
+        return True  # the lists after the prompt: evicted to the limit if it was longer, else every token
+
+    def _write(self, key_states, value_states) -> None:
         self.new = key_states, value_states  # attention reads it beside the buffer, then it takes its slot
-        self._advance(1)
-        return self.key_buffer, self.value_buffer
 
     def attend(self, module, query, key, value, scaling, dropout, output=True):
         if self.key_buffer is None:
-            out = super(FixedEvictionLayer, self).attend(module, query, key, value, scaling, dropout, output)
-            self._to_buffers()
-            return out
+            return super().attend(module, query, key, value, scaling, dropout, output)
         new_k, new_v = self.new
         self.new = None
         keys, values, acc = self.key_buffer, self.value_buffer, self.acc_buffer

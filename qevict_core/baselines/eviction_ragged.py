@@ -42,18 +42,14 @@ class RaggedEvictionLayer(FixedEvictionLayer):
     def append(self, key_states, value_states):
         if self.key_buffer is None and self.compressed:  # a selection across layers ends with the prompt's forward
             self._to_buffers()
-        if self.key_buffer is None:  # the prompt: the chronological lists
-            return super(FixedEvictionLayer, self).append(key_states, value_states)  # EvictionLayer's
-        if key_states.shape[2] != 1:
-            raise ValueError(f"{self.owner.method} in fixed buffers reads one token per forward after the prompt "
-                             f"(got {key_states.shape[2]})")
+        return super().append(key_states, value_states)
+
+    def _write(self, key_states, value_states) -> None:
         start, frozen, limit, count = self.table
         slots = (count - frozen).remainder_(limit - frozen).add_(frozen).add_(start)  # (H,): each head's slot
         self.key_buffer.index_copy_(2, slots, key_states.transpose(1, 2))  # (1, 1, H, D): head h to slots[h]
         self.value_buffer.index_copy_(2, slots, value_states.transpose(1, 2))
         count.add_(1)
-        self._advance(1)
-        return self.key_buffer, self.value_buffer
 
     def attend(self, module, query, key, value, scaling, dropout, output=True):
         if self.key_buffer is None:
@@ -103,14 +99,12 @@ class RaggedEvictionLayer(FixedEvictionLayer):
         return tensor_key(*self.buffers())
 
     def resident_bytes(self) -> dict[str, int]:
-        if not self.is_initialized:
-            return {}
-        if self.key_buffer is None:  # the prompt's lists; the table's bytes are the plan's from the start
-            return {**super(FixedEvictionLayer, self).resident_bytes(), "index": self.index_bytes(len(self.limit))}
+        if not self.is_initialized or self.key_buffer is None:  # the lists, the table's bytes charged already
+            return super().resident_bytes()
         return {"full": self.key_buffer.nbytes + self.value_buffer.nbytes, "index": self.table.nbytes}
 
     def tier_counts(self) -> dict[str, int]:
         if self.key_buffer is None:
-            return super(FixedEvictionLayer, self).tier_counts()
+            return super().tier_counts()
         kept = round(sum(min(w, limit) for w, limit in zip(self.written, self.limit)) / len(self.limit))
         return {"sink": 0, "recent": 0, "full": kept, "quantized": 0, "evicted": self.seen - kept}
