@@ -14,7 +14,7 @@ KVPRESS_PY := $(KVPRESS_VENV)/bin/python
 PY310 ?= python3.10
 PY310_VENV ?= .venv-py310
 
-.PHONY: setup setup-vllm setup-kvpress run cli test test-fast test-vllm test-py310 clean
+.PHONY: setup setup-vllm setup-kvpress run cli test test-fast test-vllm test-py310 gpu-prepare clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,10 @@ test-py310:
 	$(PY310_VENV)/bin/python -m pytest -m "not slow and not browser" tests/test_zerogpu.py tests/test_ui_handlers.py \
 		tests/test_transformers_use.py tests/test_equivalence.py tests/test_cli.py tests/test_config.py tests/test_routing.py \
 		tests/test_budget.py tests/test_padding.py tests/test_storage.py
+
+# For a lent GPU (bench/gpu.md): the wheels its image lacks, into .whl/, and the device call that runs bench/gpu_check.sh
+gpu-prepare: setup
+	$(PY) -m bench.gpu_preflight prepare
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(PY310_VENV) .pytest_cache
