@@ -3,9 +3,11 @@
     python -m bench.gpu_preflight prepare    # here: the wheels to carry (.whl/), and the command for the device
     python -m bench.gpu_preflight            # there, the script's first step
 
-``prepare`` downloads, for the lent machines' Python, a wheel of each package their image holds in a version
-outside pyproject.toml's range (transformers: 5.17 was seen there), and prints the device call: the command, what
-to carry, its time limit. The rows name this checkout's commit (the copy sent there has no git history).
+``prepare`` downloads, for the lent machines' Python, wheels of what the steps import and their image lacks or
+holds too old: transformers (5.17 was seen there), and pydantic and SQLAlchemy with what they need (the studio's
+graphed-run tests import ui/), each at the version this checkout's environment runs. It prints the device call:
+the command, what to carry, its time limit. The rows name this checkout's commit (the copy sent there has no git
+history).
 
 The check prints the device and the versions the rows will name, checks each package the GPU steps import against
 the range pyproject.toml declares, and decodes a few tokens of a tiny random model on CUDA with FullKV and with
@@ -32,8 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ("torch", "transformers", "accelerate", "safetensors", "numpy", "tqdm", "triton", "psutil", "scipy",
           "pytest", "pytest-timeout")
 STRICT = ("torch", "transformers")
-# Older on the lent machines' image than pyproject.toml allows; pure-Python wheels, carried and installed there
-CARRY = ("transformers",)
+STUDIO = ("pydantic", "sqlalchemy")  # only the tests step's studio tests import them (ui/, storage/)
+# Missing from the lent machines' image, or older there than pyproject.toml allows (their package list: the device
+# tool's KINDS.md); carried as wheels and installed ahead of the image's
+CARRY = ("transformers", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+         "sqlalchemy")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 DEVICE_PYTHON = "3.12"
 BUDGET_S = 480  # gpu_check.sh's default; the call's limit leaves it a minute for the wheels and the packing
 
@@ -93,11 +99,11 @@ def prepare(folder: Path = ROOT / ".whl") -> str:
     folder.mkdir(exist_ok=True)
     for old in folder.glob("*.whl"):
         old.unlink()
-    requirements = declared()
-    specs = [f"{name}{requirements[name].specifier}" for name in CARRY]
+    specs = [f"{name}=={metadata.version(name)}" for name in CARRY]
+    platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--platform",
-                    "manylinux_2_28_x86_64", "-d", str(folder), *specs], check=True)
+                    "--python-version", DEVICE_PYTHON, "--implementation", "cp", *platforms, "-d", str(folder),
+                    *specs], check=True)
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     wheels = ", ".join(sorted(p.name for p in folder.glob("*.whl")))
@@ -125,7 +131,7 @@ def main() -> int:
     import torch
 
     print(f"python {sys.version.split()[0]}; " + ", ".join(
-        f"{name} {_version(name)}" for name in NEEDED))
+        f"{name} {_version(name)}" for name in NEEDED + STUDIO))
     if not torch.cuda.is_available():
         print("STOP: torch sees no CUDA device")
         return 2
@@ -135,6 +141,8 @@ def main() -> int:
     fatal = [line for line, stops in found if stops]
     for line in (line for line, stops in found if not stops):
         print(f"tolerated: {line}")
+    for name in (name for name in STUDIO if _version(name) == "missing"):
+        print(f"tolerated: {name} missing, the tests step's studio tests will fail (make gpu-prepare carries it)")
     if fatal:
         print("STOP: " + "; ".join(fatal))
         print("carry the wheels (make gpu-prepare, bench/gpu.md) and install them before the script")
