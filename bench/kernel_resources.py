@@ -3,6 +3,9 @@ ahead of time by Triton with its bundled ptxas, then read by ``cuobjdump --dump-
 
     python -m bench.kernels resources [--out bench/results/kernel_resources]
     python -m bench.kernels resources --device cuda     # on a GPU: what its own Triton builds, for its own chip
+    # with the Triton of the lent GPUs' image (3.6), installed beside this environment's
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python -m bench.kernels resources
 
 A kernel that spills (a non-zero stack) is bound by local memory; shared memory decides how many programs share an
 SM. tests/test_kernel_resources.py holds the shipped configurations to no stack and at most 100 KB of shared memory.
@@ -134,18 +137,30 @@ def run(args) -> None:
               f"registers {row['registers']:3d}  stack/spills {row['stack']:4d}  shared {row['shared'] / 1024:6.1f} KB")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.device}.jsonl"
+    path = out / f"{args.device}-triton{triton.__version__}.jsonl"  # one file per Triton: each builds differently
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {path}")
 
 
 def table(rows: list[dict]) -> str:
-    """One line per shipped configuration: registers, stack (spills) and shared memory of what was compiled."""
-    first = rows[0]
-    lines = ["| kernel | head_dim | query rows | KV heads | bits | pair dtype | registers | stack B | shared KB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """One line per shipped configuration: registers, stack (spills) and shared memory of what was compiled, a group
+    of columns per Triton version among the rows."""
+    versions = sorted({r["triton"] for r in rows}, key=lambda v: tuple(int(x) for x in v.split(".")[:3]))
+    by_config = {}
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['D']} | {r['R']} | {r['HKV']} | {r['BITS'] or '—'} | {r['pair'] or '—'} | "
-                     f"{r['registers']} | {r['stack']} | {r['shared'] / 1024:.1f} |")
-    return (f"Compiled for {first['target']} with Triton {first['triton']}'s bundled ptxas, commit {first['commit']}, "
-            f"{first['date']}; 4 warps.\n\n" + "\n".join(lines) + "\n")
+        key = (r["kernel"], r["D"], r["R"], r["HKV"], r["BITS"], r["pair"])
+        by_config.setdefault(key, {})[r["triton"]] = r
+    head = "| kernel | head_dim | query rows | KV heads | bits | pair dtype |" + "".join(
+        f" registers ({v}) | stack B ({v}) | shared KB ({v}) |" for v in versions)
+    lines = [head, "|---|---|---|---|---|---|" + "---|---|---|" * len(versions)]
+    for (kernel, d, r_, hkv, bits, pair), built in by_config.items():
+        cells = "".join(f" {b['registers']} | {b['stack']} | {b['shared'] / 1024:.1f} |" if (b := built.get(v))
+                        else " — | — | — |" for v in versions)
+        lines.append(f"| {kernel} | {d} | {r_} | {hkv} | {bits or '—'} | {pair or '—'} |{cells}")
+    made = "; ".join(f"Triton {v} at commit {_first(rows, v)['commit']}, {_first(rows, v)['date']}" for v in versions)
+    return (f"Compiled for {rows[0]['target']} with each Triton's bundled ptxas ({made}); 4 warps.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def _first(rows: list[dict], version: str) -> dict:
+    return next(r for r in rows if r["triton"] == version)
