@@ -68,8 +68,11 @@ fi
 step graphs_8k "${GRAPHS_S:-110}" "$py" -m bench.speed --device cuda --model random:llama-8b --graphs \
   --methods fullkv_static,qevict@triton,qevict@torch,snapkv --baseline fullkv_static --budget 0.2 --contexts 8192 \
   --batch 8 --new-tokens 48 --repeats 2 --out "$out/graphs"
-# 2. correctness on CUDA: the compiled kernels (fast trigonometry included) and the real graphs
-step tests "${TESTS_S:-60}" "$py" -m pytest -q tests/test_kernels.py tests/test_fp_kernel.py \
+# 2. correctness on CUDA: the compiled kernels (fast trigonometry included) and the real graphs. The tests launch
+# ~55 kernel specializations, each a JIT compile on first use (CPU-bound): 8 workers compile side by side
+workers=""
+if "$py" -c "import xdist" > /dev/null 2>&1; then workers="-n 8"; fi
+step tests "${TESTS_S:-90}" "$py" -m pytest -q $workers tests/test_kernels.py tests/test_fp_kernel.py \
   tests/test_window_quant.py tests/test_graphs.py -p no:cacheprovider
 # 3. one layer's attention graph-replayed, beside a device-to-device copy (the bandwidth ceiling): fused kernel, the
 # old kernel, dequantise + SDPA, SDPA over bf16 tokens

@@ -26,6 +26,11 @@ case " $* " in *" ${FAKE_SLOW:-@} "*) exec sleep "${FAKE_SLOW_S:-3}" ;; esac
 echo "ran $*"
 """
 
+def steps_called(log: Path) -> list[str]:
+    """The stand-in's calls, less the script's probes (``-c "import xdist"``: may the tests run in parallel)."""
+    return [line for line in log.read_text().splitlines() if " -c import" not in f" {line}"]
+
+
 pytestmark = pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("tar") is None,
                                 reason="needs coreutils' timeout and tar")
 
@@ -49,8 +54,9 @@ def test_every_step_runs_in_order_with_its_rows_under_the_folder(tmp_path):
     done, steps = run(tmp_path, str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert [s[0] for s in steps] == ORDER and {s[1] for s in steps} == {"ok"}
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert calls[0] == "-m bench.gpu_preflight" and calls[2].startswith("-m pytest") and len(calls) == len(ORDER)
+    calls = steps_called(tmp_path / "calls.log")
+    assert calls[0] == "-m bench.gpu_preflight" and len(calls) == len(ORDER)
+    assert calls[2].startswith("-m pytest -q -n 8")  # where xdist imports, the tests compile in 8 workers
     assert f"--out {out}/graphs" in calls[1] and "--graphs" in calls[1]  # the benchmarks write under the folder
     assert all((out / f"{name}.log").read_text().startswith("ran ") for name in ORDER)
     assert done.stdout.rstrip().splitlines()[-1].split()[0] == "profile"  # the table ends the output
@@ -75,7 +81,7 @@ def test_the_budget_skips_the_last_steps_not_the_call(tmp_path):
     assert done.returncode == 0
     assert [s[:2] for s in steps[:2]] == [["preflight", "ok"], ["graphs_8k", "ok"]]
     assert {s[1] for s in steps[2:]} == {"skipped (budget)"} and len(steps) == len(ORDER)
-    assert len((tmp_path / "calls.log").read_text().splitlines()) == 2
+    assert len(steps_called(tmp_path / "calls.log")) == 2
 
 
 def test_chosen_steps_rerun_after_the_preflight(tmp_path):
@@ -88,7 +94,7 @@ def test_a_failed_preflight_stops_the_script(tmp_path):
     done, steps = run(tmp_path, str(tmp_path / "rows"), FAKE_FAIL="bench.gpu_preflight")
     assert done.returncode == 2 and "preflight failed" in done.stdout
     assert steps == [["preflight", "failed (exit 3)", steps[0][2], "45"]]
-    assert (tmp_path / "calls.log").read_text().splitlines() == ["-m bench.gpu_preflight"]
+    assert steps_called(tmp_path / "calls.log") == ["-m bench.gpu_preflight"]
 
 
 def test_on_a_lent_machine_everything_comes_back_in_one_archive(tmp_path):
@@ -137,7 +143,7 @@ def test_the_device_call_installs_the_wheels_then_runs_the_script_naming_the_com
                 "GPU_CHECK_DIR": str(tmp_path / "work")}
     done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    calls = log.read_text().splitlines()
+    calls = steps_called(log)
     assert calls[0].startswith(" -m pip install") and "--target /tmp/site" in calls[0]
     assert calls[1] == "abc1234 -m bench.gpu_preflight" and len(calls) == 1 + len(ORDER)
     assert all(call.startswith("abc1234 -m ") for call in calls[1:])
