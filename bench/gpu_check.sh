@@ -104,5 +104,6 @@ step smollm2 "${SMOL_S:-50}" "$py" -m bench.speed --device cuda --model random:s
 step resources "${RESOURCES_S:-40}" "$py" -m bench.kernels resources --device cuda --out "$out/resources"
 step profile "${PROFILE_S:-40}" "$py" -m bench.profile_decode --device cuda --model random:llama-8b \
   --method qevict@triton --context 8192 --batch 8 --steps 16 --out "$out/profile"
+pack_rows  # steps.tsv with the steps the budget skipped
 echo "rows under $out${pack:+, packed into $pack}"
 column -t -s $'\t' "$out/steps.tsv" 2>/dev/null || cat "$out/steps.tsv"

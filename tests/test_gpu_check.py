@@ -108,6 +108,17 @@ def test_on_a_lent_machine_everything_comes_back_in_one_archive(tmp_path):
     assert {"steps.tsv", "env.log"} | {f"{name}.log" for name in ORDER} <= names
 
 
+def test_the_archive_ends_with_the_steps_the_budget_skipped(tmp_path):
+    handed_back = tmp_path / "OUT"
+    handed_back.mkdir()
+    done, _ = run(tmp_path, OUT=str(handed_back), GPU_CHECK_DIR=str(tmp_path / "work"), FAKE_SLOW="random:llama-8b",
+                  FAKE_SLOW_S="3", BUDGET_S="4", MIN_STEP_S="2")
+    assert done.returncode == 0
+    with tarfile.open(handed_back / "gpu_check.tar.gz") as archive:
+        steps = [line.split("\t") for line in archive.extractfile("./steps.tsv").read().decode().splitlines()[1:]]
+    assert [s[0] for s in steps] == ORDER and steps[-1][1] == "skipped (budget)"
+
+
 def test_the_preflight_reads_each_range_from_pyproject():
     """As the lent machines' image had it: transformers too old stops the script, tqdm too old does not."""
     requirements = declared()
