@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -106,6 +108,29 @@ def test_on_a_lent_machine_everything_comes_back_in_one_archive(tmp_path):
     with tarfile.open(handed_back / "gpu_check.tar.gz") as archive:
         names = {Path(n).name for n in archive.getnames()}
     assert {"steps.tsv", "env.log"} | {f"{name}.log" for name in ORDER} <= names
+
+
+def test_a_call_killed_mid_step_still_hands_back_the_steps_before_it(tmp_path):
+    """The device tool kills a call at its limit: what the finished steps measured is already in the archive."""
+    fake, log, handed_back = tmp_path / "python", tmp_path / "calls.log", tmp_path / "OUT"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    handed_back.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k not in ("STEPS", "BUDGET_S")}
+    environ |= {"PYTHON": str(fake), "FAKE_LOG": str(log), "OUT": str(handed_back),
+                "GPU_CHECK_DIR": str(tmp_path / "work"), "FAKE_SLOW": "attention", "FAKE_SLOW_S": "60"}
+    call = subprocess.Popen(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "attention" in log.read_text()):  # the kernels step has begun
+        assert call.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(call.pid, signal.SIGKILL)
+    call.wait()
+    with tarfile.open(handed_back / "gpu_check.tar.gz") as archive:
+        steps = [line.split("\t")[:2] for line in archive.extractfile("./steps.tsv").read().decode().splitlines()[1:]]
+        assert "./graphs_8k.log" in archive.getnames()
+    assert steps == [["preflight", "ok"], ["graphs_8k", "ok"], ["tests", "ok"]]
 
 
 def test_the_archive_ends_with_the_steps_the_budget_skipped(tmp_path):
