@@ -19,6 +19,7 @@ range (numpy, pytest...) is reported and tolerated.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -41,7 +42,6 @@ CARRY = ("transformers", "pydantic", "pydantic-core", "annotated-types", "typing
          "sqlalchemy")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 DEVICE_PYTHON = "3.12"
-BUDGET_S = 480  # gpu_check.sh's default; the call's limit leaves it a minute for the wheels and the packing
 
 
 def declared() -> dict[str, Requirement]:
@@ -107,8 +107,10 @@ def prepare(folder: Path = ROOT / ".whl") -> str:
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     wheels = ", ".join(sorted(p.name for p in folder.glob("*.whl")))
+    # the script's default budget, and a minute for the wheels and the packing
+    budget = int(re.search(r"BUDGET_S:-(\d+)", (ROOT / "bench" / "gpu_check.sh").read_text())[1])
     return (f"wheels in {folder.name}/: {wheels}\n"
-            f"device run, carry [\"{folder.name}\"], timeout_s {BUDGET_S + 60}, command:\n"
+            f"device run, carry [\"{folder.name}\"], timeout_s {budget + 60}, command:\n"
             + device_command(commit, dirty, folder.name))
 
 

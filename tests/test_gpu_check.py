@@ -38,16 +38,21 @@ pytestmark = pytest.mark.skipif(shutil.which("timeout") is None or shutil.which(
                                 reason="needs coreutils' timeout and tar")
 
 
-def run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def stand_in(tmp_path: Path, **env: str) -> dict[str, str]:
+    """The script's environment with the stand-in as its Python (its calls in calls.log), nothing of the caller's
+    that the script reads, and ``env``."""
     fake = tmp_path / "python"
     fake.write_text(FAKE)
     fake.chmod(0o755)
-    log = tmp_path / "calls.log"
-    log.unlink(missing_ok=True)
-    environ = {k: v for k, v in os.environ.items() if k not in ("OUT", "STEPS", "BUDGET_S")}
-    environ |= {"PYTHON": str(fake), "FAKE_LOG": str(log)} | env
-    done = subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=ROOT, env=environ, capture_output=True,
-                          text=True, timeout=120)
+    (tmp_path / "calls.log").unlink(missing_ok=True)
+    read = ("OUT", "STEPS", "BUDGET_S", "MIN_STEP_S", "GPU_CHECK_DIR", "PYTHON", "QEVICT_COMMIT", "QEVICT_DIRTY")
+    environ = {k: v for k, v in os.environ.items() if k not in read}
+    return environ | {"PYTHON": str(fake), "FAKE_LOG": str(tmp_path / "calls.log")} | env
+
+
+def run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    done = subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=ROOT, env=stand_in(tmp_path, **env),
+                          capture_output=True, text=True, timeout=120)
     steps = [line.split("\t") for line in (Path(args[0]) / "steps.tsv").read_text().splitlines()[1:]] if args else []
     return done, steps
 
@@ -114,13 +119,10 @@ def test_on_a_lent_machine_everything_comes_back_in_one_archive(tmp_path):
 
 def test_a_call_killed_mid_step_still_hands_back_the_steps_before_it(tmp_path):
     """The device tool kills a call at its limit: what the finished steps measured is already in the archive."""
-    fake, log, handed_back = tmp_path / "python", tmp_path / "calls.log", tmp_path / "OUT"
-    fake.write_text(FAKE)
-    fake.chmod(0o755)
+    log, handed_back = tmp_path / "calls.log", tmp_path / "OUT"
     handed_back.mkdir()
-    environ = {k: v for k, v in os.environ.items() if k not in ("STEPS", "BUDGET_S")}
-    environ |= {"PYTHON": str(fake), "FAKE_LOG": str(log), "OUT": str(handed_back),
-                "GPU_CHECK_DIR": str(tmp_path / "work"), "FAKE_SLOW": "attention", "FAKE_SLOW_S": "60"}
+    environ = stand_in(tmp_path, OUT=str(handed_back), GPU_CHECK_DIR=str(tmp_path / "work"), FAKE_SLOW="attention",
+                       FAKE_SLOW_S="60")
     call = subprocess.Popen(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -176,9 +178,9 @@ def test_the_device_call_installs_the_wheels_then_runs_the_script_naming_the_com
     (tmp_path / "python3").chmod(0o755)
     handed_back, log = tmp_path / "OUT", tmp_path / "calls.log"
     handed_back.mkdir()
-    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "STEPS", "BUDGET_S")}
-    environ |= {"PATH": f"{tmp_path}:{os.environ['PATH']}", "OUT": str(handed_back), "FAKE_LOG": str(log),
-                "GPU_CHECK_DIR": str(tmp_path / "work")}
+    environ = stand_in(tmp_path, PATH=f"{tmp_path}:{os.environ['PATH']}", OUT=str(handed_back),
+                       GPU_CHECK_DIR=str(tmp_path / "work"))
+    del environ["PYTHON"]  # the script finds python3 on the PATH, as on the lent machine
     done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = steps_called(log)
